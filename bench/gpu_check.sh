@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU check, one prepared run (well within 8 minutes on an H200, 16 cores): builds ddtree._C
+# with the CUDA kernels against the machine's own torch, runs the whole test suite (the CUDA
+# tests run there instead of skipping) and the CUDA microbenchmarks. Results go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export DDTREE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+if ! "$PY" setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+PYTHONPATH=python timeout 300 "$PY" -m pytest tests -q -rs > "$OUT/pytest.txt" 2>&1 || status=1
+tail -20 "$OUT/pytest.txt"
+if cmake -S . -B build/cmake-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+     -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" > "$OUT/cmake.log" 2>&1 &&
+   cmake --build build/cmake-gpu -j "$MAX_JOBS" >> "$OUT/cmake.log" 2>&1; then
+  build/cmake-gpu/bench_tree_visibility_cuda | tee "$OUT/bench_cuda.txt" || status=1
+  build/cmake-gpu/bench_tree_visibility | tee "$OUT/bench_cpu.txt" || status=1
+else
+  tail -30 "$OUT/cmake.log"
+  status=1
+fi
+echo "gpu_check: exit $status"
+exit $status

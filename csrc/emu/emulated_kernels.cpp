@@ -1,0 +1,5 @@
+// The CUDA kernel sources compiled by the host compiler for the SIMT emulator: every launcher
+// below lands in namespace ddtree::emulated (see kernels/launch.cuh).
+#define DDTREE_EMULATE 1
+#include "kernels/simt_selftest.cu"
+#include "kernels/tree_visibility.cu"

@@ -1,0 +1,28 @@
+// The ddtree._C Python module: build facts and global switches. Ops are reached through
+// torch.ops.ddtree.* (registered in registration.cpp and ops/).
+#include <torch/extension.h>
+
+#include "ops/common.h"
+#include "simt/runtime.h"
+
+#ifndef DDTREE_TORCH_VERSION
+#define DDTREE_TORCH_VERSION "unknown"
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ddtree native extension";
+  m.def("has_cuda_kernels", [] {
+#ifdef DDTREE_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("built_with_torch", [] { return std::string(DDTREE_TORCH_VERSION); });
+  m.def("set_validation", &ddtree::set_validation, "Turn value checks of op inputs on or off");
+  m.def("validation_enabled", &ddtree::validation_enabled);
+  m.def("emulator_context_switches", &ddtree::simt::context_switches);
+  m.def("set_emulator_max_dynamic_smem",
+        [](size_t bytes) { ddtree::simt::options().max_dynamic_smem = bytes; });
+  m.def("emulator_max_dynamic_smem", [] { return ddtree::simt::options().max_dynamic_smem; });
+}

@@ -1,0 +1,27 @@
+// Every op schema. `ddtree` holds the public ops (CPU + CUDA implementations); `ddtree_emu` holds
+// the same schemas whose CPU implementations run the CUDA kernel sources in the SIMT emulator
+// (and whose CUDA implementations are the real kernels), plus the emulator's self-test op.
+#include <torch/library.h>
+
+namespace ddtree {
+namespace {
+
+void define_public_ops(torch::Library& m) {
+  m.def(
+      "tree_visibility(Tensor parents, Tensor num_nodes, Tensor start) -> "
+      "(Tensor visible, Tensor packed, Tensor positions)");
+  m.def(
+      "tree_attention_mask(Tensor parents, Tensor num_nodes, int past, ScalarType dtype) -> "
+      "Tensor");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ddtree, m) { define_public_ops(m); }
+
+TORCH_LIBRARY(ddtree_emu, m) {
+  define_public_ops(m);
+  m.def("simt_selftest(str name, Tensor[] inputs, int[] args) -> Tensor");
+}
+
+}  // namespace ddtree

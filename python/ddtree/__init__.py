@@ -1,0 +1,68 @@
+"""ddtree: tree speculative decoding (DDTree) for block-diffusion drafters, as torch ops.
+
+The native ops live in ``torch.ops.ddtree``; ``ddtree.ops`` holds typed Python wrappers and
+``ddtree.reference`` pure-PyTorch versions written from the spec (the test oracles).
+"""
+from .version import __version__
+
+
+def _load_native():
+    import torch
+
+    try:
+        from . import _C
+    except ImportError as err:
+        try:
+            from . import _build_info
+
+            built = _build_info.TORCH_VERSION
+        except ImportError:
+            built = None
+        if built is not None and built != torch.__version__:
+            raise ImportError(
+                f"ddtree._C was built against torch {built} but torch {torch.__version__} is "
+                "installed; rebuild it: `pip install --no-build-isolation .` (or `make build`)"
+            ) from err
+        raise ImportError(
+            "ddtree's native extension ddtree._C is missing or failed to load "
+            f"({err}); build it with `pip install --no-build-isolation .` or `make build`"
+        ) from err
+    built = _C.built_with_torch()
+    if built != torch.__version__:
+        raise ImportError(
+            f"ddtree._C was built against torch {built} but torch {torch.__version__} is "
+            "installed; rebuild it: `pip install --no-build-isolation .` (or `make build`)"
+        )
+    return _C
+
+
+_C = _load_native()
+
+from . import _fake  # noqa: E402,F401  (registers the fake kernels)
+from .ops import tree_attention_mask, tree_visibility, TreeVisibility  # noqa: E402
+
+
+def has_cuda_kernels() -> bool:
+    """True when the CUDA kernels were compiled into ddtree._C."""
+    return bool(_C.has_cuda_kernels())
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn the ops' value checks (e.g. parent < own index) on or off. On CUDA they cost a
+    device-to-host copy; they are skipped automatically while a CUDA graph is being captured."""
+    _C.set_validation(bool(enabled))
+
+
+def validation_enabled() -> bool:
+    return bool(_C.validation_enabled())
+
+
+__all__ = [
+    "__version__",
+    "has_cuda_kernels",
+    "set_validation",
+    "validation_enabled",
+    "tree_visibility",
+    "tree_attention_mask",
+    "TreeVisibility",
+]

@@ -1,0 +1,131 @@
+"""Builds ddtree._C: CPU ops + SIMT emulator always, CUDA kernels when nvcc and a CUDA build of
+torch are present (decided without looking for a GPU).
+
+Environment:
+  DDTREE_CUDA=auto|0|1     auto (default): CUDA kernels if possible; 1: require them; 0: CPU only
+  TORCH_CUDA_ARCH_LIST     e.g. "8.0;9.0;12.0+PTX" (the default); "9.0a" style entries allowed
+  CUDA_HOME / CUDA_PATH    toolkit root; otherwise /usr/local/cuda, otherwise found from nvcc
+  MAX_JOBS                 parallel compile jobs (ninja)
+"""
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_ARCHS = "8.0;9.0;12.0+PTX"
+
+
+def find_cuda_home():
+    """Toolkit root. `which nvcc` may be a wrapper script (as on the dev machines), so it is
+    resolved through the script's exec line when it does not sit in a toolkit tree."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        path = os.environ.get(var)
+        if path and (Path(path) / "bin" / "nvcc").exists():
+            return str(Path(path))
+    if Path("/usr/local/cuda/bin/nvcc").exists():
+        return "/usr/local/cuda"
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return None
+    real = Path(nvcc).resolve()
+    if (real.parent.parent / "include" / "cuda_runtime.h").exists():
+        return str(real.parent.parent)
+    try:
+        text = real.read_text(errors="ignore")[:4096]
+    except OSError:
+        return None
+    for match in re.finditer(r"(/[^\s\"']+)/bin/nvcc", text):
+        if (Path(match.group(1)) / "include" / "cuda_runtime.h").exists():
+            return match.group(1)
+    return None
+
+
+def gencode_flags(arch_list):
+    flags = []
+    for entry in re.split(r"[;\s,]+", arch_list.strip()):
+        if not entry:
+            continue
+        match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", entry)
+        if not match:
+            sys.exit(f"setup.py: cannot parse TORCH_CUDA_ARCH_LIST entry {entry!r}")
+        num = match.group(1) + match.group(2) + match.group(3)
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if match.group(4):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+cuda_home = find_cuda_home()
+if cuda_home:
+    os.environ["CUDA_HOME"] = cuda_home  # before torch.utils.cpp_extension reads it
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+mode = os.environ.get("DDTREE_CUDA", "auto").strip().lower()
+if mode not in ("auto", "0", "1"):
+    sys.exit(f"setup.py: DDTREE_CUDA must be auto, 0 or 1, got {mode!r}")
+cuda_possible = cuda_home is not None and torch.version.cuda is not None
+if mode == "1" and not cuda_possible:
+    sys.exit(
+        "setup.py: DDTREE_CUDA=1 but CUDA kernels cannot be built: "
+        f"nvcc toolkit root={cuda_home!r}, torch {torch.__version__} CUDA={torch.version.cuda!r}"
+    )
+with_cuda = cuda_possible if mode == "auto" else mode == "1"
+
+arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
+version = re.search(r'__version__ = "([^"]+)"', (ROOT / "python/ddtree/version.py").read_text())[1]
+
+csrc = ROOT / "csrc"
+sources = sorted(
+    str(p.relative_to(ROOT))
+    for pattern in ("*.cpp", "ops/*.cpp", "cpu/*.cpp", "simt/*.cpp", "emu/*.cpp")
+    for p in csrc.glob(pattern)
+)
+define_macros = [("DDTREE_TORCH_VERSION", f'"{torch.__version__}"')]
+cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas"]
+if with_cuda:
+    sources += sorted(str(p.relative_to(ROOT)) for p in csrc.glob("kernels/*.cu"))
+    define_macros.append(("DDTREE_WITH_CUDA", "1"))
+    nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", *gencode_flags(arch_list)]
+    ext = CUDAExtension(
+        "ddtree._C",
+        sources,
+        include_dirs=[str(csrc)],
+        define_macros=define_macros,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    )
+else:
+    ext = CppExtension(
+        "ddtree._C",
+        sources,
+        include_dirs=[str(csrc)],
+        define_macros=define_macros,
+        extra_compile_args={"cxx": cxx_flags},
+    )
+
+build_info = ROOT / "python/ddtree/_build_info.py"
+build_info.write_text(
+    "# Written by setup.py at build time.\n"
+    f"TORCH_VERSION = {torch.__version__!r}\n"
+    f"WITH_CUDA = {with_cuda!r}\n"
+    f"CUDA_ARCH_LIST = {(arch_list if with_cuda else '')!r}\n"
+)
+print(f"ddtree: building {'CPU + CUDA (' + arch_list + ')' if with_cuda else 'CPU-only'} "
+      f"against torch {torch.__version__}", file=sys.stderr)
+
+setup(
+    name="ddtree",
+    version=version,
+    description="Tree speculative decoding for block-diffusion drafters (DDTree) as torch ops",
+    package_dir={"": "python"},
+    packages=["ddtree"],
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy", "safetensors"],
+)
