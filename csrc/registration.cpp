@@ -13,6 +13,17 @@ void define_public_ops(torch::Library& m) {
   m.def(
       "tree_attention_mask(Tensor parents, Tensor num_nodes, int past, ScalarType dtype) -> "
       "Tensor");
+  m.def(
+      "build_tree(Tensor logprobs, Tensor ids, Tensor root_tokens, int budget, "
+      "Tensor? budgets=None) -> (Tensor node_tokens, Tensor parents, Tensor depths, "
+      "Tensor first_child, Tensor next_sibling, Tensor num_nodes)");
+  m.def(
+      "verify_greedy(Tensor node_tokens, Tensor first_child, Tensor next_sibling, "
+      "Tensor num_nodes, Tensor target_tokens, int max_depth) -> "
+      "(Tensor accepted, Tensor accept_len, Tensor bonus)");
+  m.def(
+      "commit_kv_(Tensor(a!) cache, Tensor past_len, Tensor accepted, Tensor accept_len, "
+      "str layout=\"BHSD\") -> ()");
 }
 
 }  // namespace

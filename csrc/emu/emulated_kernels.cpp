@@ -2,4 +2,5 @@
 // below lands in namespace ddtree::emulated (see kernels/launch.cuh).
 #define DDTREE_EMULATE 1
 #include "kernels/simt_selftest.cu"
+#include "kernels/tree_ops.cu"
 #include "kernels/tree_visibility.cu"

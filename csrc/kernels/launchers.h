@@ -4,12 +4,21 @@
 // ones throw simt::Error on a kernel fault.
 #pragma once
 
+#include <cstddef>
+
+#include "core/kv_commit.h"
 #include "core/simt_selftest.h"
+#include "core/tree_build.h"
+#include "core/tree_verify.h"
 #include "core/tree_visibility.h"
 
 #define DDTREE_DECLARE_LAUNCHERS                                                 \
   int launch_tree_visibility(const ::ddtree::TreeVisibilityParams& p, void* stream); \
-  int launch_simt_selftest(const ::ddtree::SelftestParams& p, void* stream);
+  int launch_simt_selftest(const ::ddtree::SelftestParams& p, void* stream);          \
+  int launch_build_tree(const ::ddtree::BuildTreeParams& p, void* stream);            \
+  size_t build_tree_smem_bytes(int64_t budget);                                       \
+  int launch_verify_greedy(const ::ddtree::VerifyGreedyParams& p, void* stream);      \
+  int launch_commit_kv(const ::ddtree::CommitKvParams& p, void* stream);
 
 namespace ddtree {
 namespace gpu {

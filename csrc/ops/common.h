@@ -2,6 +2,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <string>
 
@@ -37,7 +39,47 @@ int launch_on_device(const char* op, Backend backend, const at::Tensor& on,
 }  // namespace ddtree
 
 #ifdef DDTREE_WITH_CUDA
-#define DDTREE_GPU_LAUNCH(fn, params, stream) ::ddtree::gpu::fn(params, stream)
+#define DDTREE_GPU_LAUNCHER(name) (&::ddtree::gpu::name)
 #else
-#define DDTREE_GPU_LAUNCH(fn, params, stream) ((void)(params), (void)(stream), -1)
+#define DDTREE_GPU_LAUNCHER(name) static_cast<decltype(&::ddtree::emulated::name)>(nullptr)
+#endif
+
+namespace ddtree {
+
+// The three implementations of one op: CPU over a range of work items, emulated and GPU
+// launchers of the same kernel source (the GPU one is null in CPU-only builds).
+template <class Params>
+struct OpKernels {
+  void (*cpu)(const Params&, int64_t, int64_t);
+  int (*emulated)(const Params&, void*);
+  int (*gpu)(const Params&, void*);
+};
+
+template <Backend kBackend, class Params>
+void run_op(const char* op, const OpKernels<Params>& k, const Params& p, const at::Tensor& on,
+            int64_t work, int64_t grain) {
+  if (work == 0) return;
+  if constexpr (kBackend == Backend::kCpu) {
+    at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) { k.cpu(p, begin, end); });
+  } else {
+    launch_on_device(op, kBackend, on, [&](void* stream) {
+      return kBackend == Backend::kEmulated ? k.emulated(p, stream) : k.gpu(p, stream);
+    });
+  }
+}
+
+}  // namespace ddtree
+
+// Registers `register_fn<Backend>` for ddtree (CPU, CUDA) and ddtree_emu (CPU = emulated
+// kernels, CUDA = the real kernels).
+#define DDTREE_REGISTER_CPU_AND_EMULATED(register_fn)                                        \
+  TORCH_LIBRARY_IMPL(ddtree, CPU, m) { register_fn<::ddtree::Backend::kCpu>(m); }            \
+  TORCH_LIBRARY_IMPL(ddtree_emu, CPU, m) { register_fn<::ddtree::Backend::kEmulated>(m); }
+#ifdef DDTREE_WITH_CUDA
+#define DDTREE_REGISTER_BACKENDS(register_fn)                                                \
+  DDTREE_REGISTER_CPU_AND_EMULATED(register_fn)                                              \
+  TORCH_LIBRARY_IMPL(ddtree, CUDA, m) { register_fn<::ddtree::Backend::kCuda>(m); }          \
+  TORCH_LIBRARY_IMPL(ddtree_emu, CUDA, m) { register_fn<::ddtree::Backend::kCuda>(m); }
+#else
+#define DDTREE_REGISTER_BACKENDS(register_fn) DDTREE_REGISTER_CPU_AND_EMULATED(register_fn)
 #endif

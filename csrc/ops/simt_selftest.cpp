@@ -86,9 +86,10 @@ Tensor simt_selftest(const std::string& name, const std::vector<Tensor>& inputs_
   if (!inputs.empty()) p.in0 = inputs[0].data_ptr();
   p.out = out.data_ptr();
   const std::string op = "simt_selftest(" + name + ")";
+  auto gpu = DDTREE_GPU_LAUNCHER(launch_simt_selftest);
   launch_on_device(op.c_str(), backend, out, [&](void* stream) {
     return backend == Backend::kEmulated ? emulated::launch_simt_selftest(p, stream)
-                                         : DDTREE_GPU_LAUNCH(launch_simt_selftest, p, stream);
+                                         : gpu(p, stream);
   });
   return out;
 }

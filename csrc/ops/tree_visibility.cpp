@@ -80,20 +80,14 @@ TreeInputs prepare(const char* op, const Tensor& parents, const Tensor& num_node
   return in;
 }
 
+constexpr OpKernels<TreeVisibilityParams> kKernels{
+    &cpu::tree_visibility_rows, &emulated::launch_tree_visibility,
+    DDTREE_GPU_LAUNCHER(launch_tree_visibility)};
+
 template <Backend kBackend>
 void run(const char* op, const TreeVisibilityParams& p, const Tensor& on) {
-  if (p.batch == 0 || p.n == 0) return;
-  if constexpr (kBackend == Backend::kCpu) {
-    const int64_t grain = std::max<int64_t>(1, 16384 / (p.n + p.past));
-    at::parallel_for(0, p.batch * p.n, grain, [&](int64_t begin, int64_t end) {
-      cpu::tree_visibility_rows(p, begin, end);
-    });
-  } else {
-    launch_on_device(op, kBackend, on, [&](void* stream) {
-      return kBackend == Backend::kEmulated ? emulated::launch_tree_visibility(p, stream)
-                                            : DDTREE_GPU_LAUNCH(launch_tree_visibility, p, stream);
-    });
-  }
+  const int64_t grain = std::max<int64_t>(1, 16384 / (p.n + p.past + 1));
+  run_op<kBackend>(op, kKernels, p, on, p.batch * p.n, grain);
 }
 
 template <Backend kBackend>
@@ -144,28 +138,13 @@ Tensor tree_attention_mask(const Tensor& parents, const Tensor& num_nodes, int64
   return mask;
 }
 
+template <Backend kBackend>
+void register_impls(torch::Library& m) {
+  m.impl("tree_visibility", &tree_visibility<kBackend>);
+  m.impl("tree_attention_mask", &tree_attention_mask<kBackend>);
+}
+
 }  // namespace
-
-TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
-  m.impl("tree_visibility", &tree_visibility<Backend::kCpu>);
-  m.impl("tree_attention_mask", &tree_attention_mask<Backend::kCpu>);
-}
-
-TORCH_LIBRARY_IMPL(ddtree_emu, CPU, m) {
-  m.impl("tree_visibility", &tree_visibility<Backend::kEmulated>);
-  m.impl("tree_attention_mask", &tree_attention_mask<Backend::kEmulated>);
-}
-
-#ifdef DDTREE_WITH_CUDA
-TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
-  m.impl("tree_visibility", &tree_visibility<Backend::kCuda>);
-  m.impl("tree_attention_mask", &tree_attention_mask<Backend::kCuda>);
-}
-
-TORCH_LIBRARY_IMPL(ddtree_emu, CUDA, m) {
-  m.impl("tree_visibility", &tree_visibility<Backend::kCuda>);
-  m.impl("tree_attention_mask", &tree_attention_mask<Backend::kCuda>);
-}
-#endif
-
 }  // namespace ddtree
+
+DDTREE_REGISTER_BACKENDS(ddtree::register_impls)

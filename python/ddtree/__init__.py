@@ -39,7 +39,16 @@ def _load_native():
 _C = _load_native()
 
 from . import _fake  # noqa: E402,F401  (registers the fake kernels)
-from .ops import tree_attention_mask, tree_visibility, TreeVisibility  # noqa: E402
+from .ops import (  # noqa: E402
+    DraftTree,
+    GreedyVerdict,
+    TreeVisibility,
+    build_tree,
+    commit_kv_,
+    tree_attention_mask,
+    tree_visibility,
+    verify_greedy,
+)
 
 
 def has_cuda_kernels() -> bool:
@@ -65,4 +74,9 @@ __all__ = [
     "tree_visibility",
     "tree_attention_mask",
     "TreeVisibility",
+    "build_tree",
+    "verify_greedy",
+    "commit_kv_",
+    "DraftTree",
+    "GreedyVerdict",
 ]

@@ -17,6 +17,25 @@ def _register(namespace: str) -> None:
         b, n = parents.shape
         return parents.new_empty((b, 1, n, past + n), dtype=dtype)
 
+    @torch.library.register_fake(f"{namespace}::build_tree")
+    def _build_tree(logprobs, ids, root_tokens, budget, budgets=None):
+        b = logprobs.shape[0]
+        rows = [logprobs.new_empty((b, budget + 1), dtype=torch.int64) for _ in range(5)]
+        return (*rows, logprobs.new_empty((b,), dtype=torch.int64))
+
+    @torch.library.register_fake(f"{namespace}::verify_greedy")
+    def _verify_greedy(node_tokens, first_child, next_sibling, num_nodes, target_tokens, max_depth):
+        b = node_tokens.shape[0]
+        return (
+            node_tokens.new_empty((b, max_depth + 1), dtype=torch.int64),
+            node_tokens.new_empty((b,), dtype=torch.int64),
+            node_tokens.new_empty((b,), dtype=torch.int64),
+        )
+
+    @torch.library.register_fake(f"{namespace}::commit_kv_")
+    def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD"):
+        return None
+
 
 for _ns in ("ddtree", "ddtree_emu"):
     _register(_ns)

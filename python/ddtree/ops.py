@@ -1,7 +1,7 @@
 """Typed wrappers over ``torch.ops.ddtree.*`` (schemas live in csrc/registration.cpp)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -39,3 +39,57 @@ def tree_attention_mask(
     """Additive attention mask [B, 1, N, past + N]: 0 for the `past` prefix columns and for
     visible tree nodes, ``torch.finfo(dtype).min`` elsewhere."""
     return torch.ops.ddtree.tree_attention_mask(parents, num_nodes, int(past), dtype)
+
+
+class DraftTree(NamedTuple):
+    """A padded batch of draft trees, [B, N] per field (N = budget + 1), nodes in pop order:
+    row 0 is the root (the bonus token), parent < child, padding rows hold token 0 and -1 links."""
+
+    node_tokens: torch.Tensor   # int64 [B, N]
+    parents: torch.Tensor       # int64 [B, N], -1 for the root and padding
+    depths: torch.Tensor        # int64 [B, N], 0 for the root
+    first_child: torch.Tensor   # int64 [B, N], -1 = none (children in index order)
+    next_sibling: torch.Tensor  # int64 [B, N], -1 = none
+    num_nodes: torch.Tensor     # int64 [B], root included
+
+
+class GreedyVerdict(NamedTuple):
+    accepted: torch.Tensor    # int64 [B, max_depth + 1] accepted node indices, root first, -1 pad
+    accept_len: torch.Tensor  # int64 [B] >= 1
+    bonus: torch.Tensor       # int64 [B] target token after the accepted path
+
+
+def build_tree(
+    logprobs: torch.Tensor,
+    ids: torch.Tensor,
+    root_tokens: torch.Tensor,
+    budget: int,
+    budgets: Optional[torch.Tensor] = None,
+) -> DraftTree:
+    """The `budget` highest-scoring draft prefixes as a tree (SPEC §3), bit-exact with the
+    published reference. logprobs float32 [B, L, K] sorted non-increasing along K (top-k
+    log-softmax values), ids [B, L, K], root_tokens [B]; budgets [B] (<= budget) per request."""
+    return DraftTree(*torch.ops.ddtree.build_tree(logprobs, ids, root_tokens, int(budget), budgets))
+
+
+def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> GreedyVerdict:
+    """Greedy walk (SPEC §5): follow the child whose token equals the target's token at the
+    current node. target_tokens int [B, N] (the target's argmax per tree row)."""
+    return GreedyVerdict(
+        *torch.ops.ddtree.verify_greedy(
+            tree.node_tokens, tree.first_child, tree.next_sibling, tree.num_nodes, target_tokens,
+            int(max_depth),
+        )
+    )
+
+
+def commit_kv_(
+    cache: torch.Tensor,
+    past_len: torch.Tensor,
+    accepted: torch.Tensor,
+    accept_len: torch.Tensor,
+    layout: str = "BHSD",
+) -> None:
+    """In place (SPEC §6): cache rows past + accepted[j] move to past + j for j < accept_len.
+    layout "BHSD" ([B, H, S, D]) or "BSHD"; the caller then sets its length to past + accept_len."""
+    torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout)

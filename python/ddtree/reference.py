@@ -2,6 +2,8 @@
 simple, slow and obviously correct, never used on a hot path."""
 from __future__ import annotations
 
+import heapq
+import math
 from typing import Tuple, Union
 
 import torch
@@ -68,3 +70,106 @@ def tree_attention_mask(
         vis, torch.zeros((), dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     )
     return mask
+
+
+def _is_candidate(x: float) -> bool:
+    return not math.isnan(x) and x != -math.inf
+
+
+def build_tree_single(logq, ids, budget: int, root_token: int):
+    """SPEC §3 for one request, with heapq: logq / ids are [L][K] lists (floats / ints).
+    Returns (node_tokens, parents, depths) including the root row; scores are Python floats
+    (float64) updated with exactly the spec's expressions; heap ties break on the rank path."""
+    depth_l = len(logq)
+    k = len(logq[0]) if depth_l else 0
+    tokens, parents, depths, paths = [root_token], [-1], [0], [()]
+    heap = []
+    if budget > 0 and depth_l > 0 and k > 0 and _is_candidate(logq[0][0]):
+        heapq.heappush(heap, (-float(logq[0][0]), (0,), 0, 1, 0))
+    while heap and len(tokens) - 1 < budget:
+        neg, ranks, parent, depth, rank = heapq.heappop(heap)
+        score = -neg
+        node = len(tokens)
+        tokens.append(int(ids[depth - 1][rank]))
+        parents.append(parent)
+        depths.append(depth)
+        paths.append(ranks)
+        if rank + 1 < k and _is_candidate(logq[depth - 1][rank + 1]):
+            sibling = score - logq[depth - 1][rank] + logq[depth - 1][rank + 1]
+            heapq.heappush(heap, (-sibling, ranks[:-1] + (rank + 1,), parent, depth, rank + 1))
+        if depth < depth_l and _is_candidate(logq[depth][0]):
+            child = score + logq[depth][0]
+            heapq.heappush(heap, (-child, ranks + (0,), node, depth + 1, 0))
+    return tokens, parents, depths
+
+
+def build_tree(logprobs, ids, root_tokens, budget: int, budgets=None):
+    """Batched reference build_tree: (node_tokens, parents, depths, first_child, next_sibling,
+    num_nodes) padded to budget + 1 rows (padding: token 0, links -1, depth 0)."""
+    batch = logprobs.shape[0]
+    n = budget + 1
+    out = {name: torch.full((batch, n), fill, dtype=torch.int64)
+           for name, fill in (("tokens", 0), ("parents", -1), ("depths", 0),
+                              ("first_child", -1), ("next_sibling", -1))}
+    counts = torch.zeros(batch, dtype=torch.int64)
+    for b in range(batch):
+        cap = budget if budgets is None else int(budgets[b])
+        tokens, parents, depths = build_tree_single(
+            logprobs[b].tolist(), ids[b].tolist(), cap, int(root_tokens[b]))
+        m = len(tokens)
+        counts[b] = m
+        out["tokens"][b, :m] = torch.tensor(tokens)
+        out["parents"][b, :m] = torch.tensor(parents)
+        out["depths"][b, :m] = torch.tensor(depths)
+        for i in range(m - 1, 0, -1):
+            out["next_sibling"][b, i] = out["first_child"][b, parents[i]]
+            out["first_child"][b, parents[i]] = i
+    return (out["tokens"], out["parents"], out["depths"], out["first_child"],
+            out["next_sibling"], counts)
+
+
+def verify_greedy(node_tokens, parents, num_nodes, target_tokens, max_depth: int):
+    """SPEC §5 greedy walk from children lists built from `parents`: (accepted [B, max_depth+1]
+    -1 padded, accept_len [B], bonus [B])."""
+    batch = node_tokens.shape[0]
+    accepted = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
+    lengths = torch.zeros(batch, dtype=torch.int64)
+    bonus = torch.zeros(batch, dtype=torch.int64)
+    for b in range(batch):
+        count = int(num_nodes[b])
+        children = {}
+        for i in range(1, count):
+            children.setdefault(int(parents[b, i]), []).append(i)
+        path = [0]
+        while len(path) < max_depth + 1:
+            want = int(target_tokens[b, path[-1]])
+            nxt = [c for c in children.get(path[-1], []) if int(node_tokens[b, c]) == want]
+            if not nxt:
+                break
+            path.append(nxt[0])
+        accepted[b, : len(path)] = torch.tensor(path)
+        lengths[b] = len(path)
+        bonus[b] = target_tokens[b, path[-1]]
+    return accepted, lengths, bonus
+
+
+def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD"):
+    """SPEC §6 on a copy: rows past + accepted[j] -> past + j for j < accept_len."""
+    out = cache.clone()
+    view = out if layout == "BHSD" else out.transpose(1, 2)
+    src = cache if layout == "BHSD" else cache.transpose(1, 2)
+    for b in range(cache.shape[0]):
+        past = int(past_len[b])
+        for j in range(int(accept_len[b])):
+            view[b, :, past + j] = src[b, :, past + int(accepted[b, j])]
+    return out
+
+
+def tree_topk(logits, k: int):
+    """Log-softmax over the full vocabulary (as logits - logsumexp, in float32) and the k best
+    per row, descending, ties to the lower token id (stable sort)."""
+    x = logits.float()
+    logprobs = x - torch.logsumexp(x, dim=-1, keepdim=True)
+    values, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    ids = order[..., :k]
+    return torch.gather(logprobs, -1, ids), ids

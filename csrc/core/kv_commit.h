@@ -1,0 +1,26 @@
+// KV-cache compaction after verification (SPEC §6): for j < accept_len, row past + path[j]
+// moves to past + j. In place and safe row by row in increasing j, because path[j] >= j and
+// paths increase: a source row is never a row already written.
+#pragma once
+
+#include "core/common.h"
+
+namespace ddtree {
+
+struct CommitKvParams {
+  void* cache = nullptr;   // [B, H, S, D] or [B, S, H, D]: element strides below, D contiguous
+  int elem_bytes = 2;      // 2, 4 or 8 (the copy is dtype-agnostic)
+  int64_t batch = 0, heads = 0, seq = 0, dim = 0;
+  int64_t stride_b = 0, stride_h = 0, stride_s = 0;
+  const int64_t* past_len = nullptr;    // [B]
+  const int64_t* accepted = nullptr;    // [B, A] tree node indices, root first
+  const int64_t* accept_len = nullptr;  // [B]
+  int64_t width = 0;                    // A
+};
+
+// Offset (elements) of row s of head h of request b.
+DDTREE_HOST_DEVICE int64_t kv_row_offset(const CommitKvParams& p, int64_t b, int64_t h, int64_t s) {
+  return b * p.stride_b + h * p.stride_h + s * p.stride_s;
+}
+
+}  // namespace ddtree

@@ -1,0 +1,160 @@
+// Optimal draft-tree construction (SPEC §3): best-first enumeration of the `budget` highest
+// scoring prefixes, bit-exact with the published reference (float64 scores with the reference's
+// update expressions; ties broken by the lexicographically smallest rank path).
+#pragma once
+
+#include "core/common.h"
+
+namespace ddtree {
+
+// Tree nodes of one request: node 0 is the root (the bonus token); node i > 0 has
+// parent < i. Padded rows: token 0, parent / first_child / next_sibling -1, depth 0.
+struct BuildTreeParams {
+  const float* logq = nullptr;         // [B, L, K] log-probs, non-increasing along K
+  const int64_t* ids = nullptr;        // [B, L, K] token ids matching logq
+  const int64_t* root_tokens = nullptr;  // [B]
+  const int64_t* budgets = nullptr;    // [B] per-request budgets (<= budget); null: all `budget`
+  int64_t batch = 0, depth = 0, k = 0;
+  int64_t budget = 0;                  // N = budget + 1 rows per request
+  int64_t* node_tokens = nullptr;      // [B, N]
+  int64_t* parents = nullptr;          // [B, N]
+  int64_t* depths = nullptr;           // [B, N]
+  int64_t* first_child = nullptr;      // [B, N]
+  int64_t* next_sibling = nullptr;     // [B, N]
+  int64_t* num_nodes = nullptr;        // [B] (root included)
+};
+
+// A candidate prefix: the node it would become hangs under `parent` at `depth` with `rank`.
+struct TreeCandidate {
+  double score;
+  int32_t parent;
+  int16_t depth;
+  int16_t rank;
+};
+
+// Per-request scratch: a heap of at most budget + 1 candidates, and each node's parent / rank
+// (for rank-path tie-breaks). Sizes in elements for N = budget + 1.
+struct TreeBuildScratch {
+  TreeCandidate* heap;
+  int32_t* node_parent;
+  int16_t* node_rank;
+};
+
+// Rank path of a candidate: ranks of the nodes root..parent, then its own; length = depth.
+DDTREE_HOST_DEVICE int candidate_path(const TreeBuildScratch& s, const TreeCandidate& c,
+                                      int16_t* path) {
+  int len = c.depth;
+  path[len - 1] = c.rank;
+  int node = c.parent;
+  for (int d = len - 2; d >= 0; --d) {
+    path[d] = s.node_rank[node];
+    node = s.node_parent[node];
+  }
+  return len;
+}
+
+// True when `a` pops before `b`: higher score, then lexicographically smaller rank path
+// (a proper prefix is smaller).
+DDTREE_HOST_DEVICE bool candidate_before(const TreeBuildScratch& s, const TreeCandidate& a,
+                                         const TreeCandidate& b) {
+  if (a.score != b.score) return a.score > b.score;
+  int16_t pa[33], pb[33];
+  const int la = candidate_path(s, a, pa), lb = candidate_path(s, b, pb);
+  for (int i = 0; i < la && i < lb; ++i)
+    if (pa[i] != pb[i]) return pa[i] < pb[i];
+  return la < lb;
+}
+
+DDTREE_HOST_DEVICE void heap_push(const TreeBuildScratch& s, int64_t& size, TreeCandidate c) {
+  int64_t i = size++;
+  while (i > 0) {
+    const int64_t up = (i - 1) / 2;
+    if (!candidate_before(s, c, s.heap[up])) break;
+    s.heap[i] = s.heap[up];
+    i = up;
+  }
+  s.heap[i] = c;
+}
+
+DDTREE_HOST_DEVICE TreeCandidate heap_pop(const TreeBuildScratch& s, int64_t& size) {
+  const TreeCandidate top = s.heap[0];
+  const TreeCandidate last = s.heap[--size];
+  int64_t i = 0;
+  for (;;) {
+    int64_t child = 2 * i + 1;
+    if (child >= size) break;
+    if (child + 1 < size && candidate_before(s, s.heap[child + 1], s.heap[child])) ++child;
+    if (!candidate_before(s, s.heap[child], last)) break;
+    s.heap[i] = s.heap[child];
+    i = child;
+  }
+  if (size > 0) s.heap[i] = last;
+  return top;
+}
+
+// Builds request b's tree (rows 0 .. num_nodes-1 and its child / sibling links); padding rows
+// are left to fill_tree_padding. One thread per request.
+DDTREE_HOST_DEVICE void build_tree_request(const BuildTreeParams& p, int64_t b,
+                                           const TreeBuildScratch& s) {
+  const int64_t n_rows = p.budget + 1;
+  const int64_t L = p.depth, K = p.k;
+  const float* logq = p.logq + b * L * K;
+  const int64_t* ids = p.ids + b * L * K;
+  int64_t* tokens = p.node_tokens + b * n_rows;
+  int64_t* parents = p.parents + b * n_rows;
+  int64_t* depths = p.depths + b * n_rows;
+  const int64_t budget = p.budgets ? p.budgets[b] : p.budget;
+
+  tokens[0] = p.root_tokens[b];
+  parents[0] = -1;
+  depths[0] = 0;
+  s.node_parent[0] = -1;
+  s.node_rank[0] = 0;
+  int64_t n = 0;  // nodes added below the root
+  int64_t size = 0;
+  if (budget > 0 && L > 0 && K > 0 && is_candidate_logprob(logq[0]))
+    heap_push(s, size, TreeCandidate{static_cast<double>(logq[0]), 0, 1, 0});
+  while (size > 0 && n < budget) {
+    const TreeCandidate c = heap_pop(s, size);
+    const int64_t node = ++n;
+    const int64_t row = (c.depth - 1) * K;
+    tokens[node] = ids[row + c.rank];
+    parents[node] = c.parent;
+    depths[node] = c.depth;
+    s.node_parent[node] = c.parent;
+    s.node_rank[node] = c.rank;
+    if (c.rank + 1 < K && is_candidate_logprob(logq[row + c.rank + 1])) {
+      const double sibling = c.score - static_cast<double>(logq[row + c.rank]) +
+                             static_cast<double>(logq[row + c.rank + 1]);
+      heap_push(s, size, TreeCandidate{sibling, c.parent, c.depth, static_cast<int16_t>(c.rank + 1)});
+    }
+    if (c.depth < L && is_candidate_logprob(logq[c.depth * K])) {
+      const double child = c.score + static_cast<double>(logq[c.depth * K]);
+      heap_push(s, size,
+                TreeCandidate{child, static_cast<int32_t>(node), static_cast<int16_t>(c.depth + 1), 0});
+    }
+  }
+  const int64_t count = n + 1;
+  p.num_nodes[b] = count;
+  // Children in index order: walk nodes backwards, prepending each to its parent's list.
+  int64_t* first_child = p.first_child + b * n_rows;
+  int64_t* next_sibling = p.next_sibling + b * n_rows;
+  for (int64_t i = 0; i < count; ++i) first_child[i] = -1;
+  next_sibling[0] = -1;
+  for (int64_t i = count - 1; i >= 1; --i) {
+    next_sibling[i] = first_child[parents[i]];
+    first_child[parents[i]] = i;
+  }
+}
+
+// Padding row i (>= num_nodes[b]) of request b.
+DDTREE_HOST_DEVICE void fill_tree_padding(const BuildTreeParams& p, int64_t b, int64_t i) {
+  const int64_t at = b * (p.budget + 1) + i;
+  p.node_tokens[at] = 0;
+  p.parents[at] = -1;
+  p.depths[at] = 0;
+  p.first_child[at] = -1;
+  p.next_sibling[at] = -1;
+}
+
+}  // namespace ddtree

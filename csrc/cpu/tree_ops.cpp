@@ -1,0 +1,39 @@
+#include "cpu/tree_ops.h"
+
+#include <cstring>
+#include <vector>
+
+namespace ddtree::cpu {
+
+void build_tree_requests(const BuildTreeParams& p, int64_t b_begin, int64_t b_end) {
+  const int64_t rows = p.budget + 1;
+  std::vector<TreeCandidate> heap(rows);
+  std::vector<int32_t> node_parent(rows);
+  std::vector<int16_t> node_rank(rows);
+  const TreeBuildScratch s{heap.data(), node_parent.data(), node_rank.data()};
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    build_tree_request(p, b, s);
+    for (int64_t i = p.num_nodes[b]; i < rows; ++i) fill_tree_padding(p, b, i);
+  }
+}
+
+void verify_greedy_requests(const VerifyGreedyParams& p, int64_t b_begin, int64_t b_end) {
+  for (int64_t b = b_begin; b < b_end; ++b) verify_greedy_request(p, b);
+}
+
+void commit_kv_slices(const CommitKvParams& p, int64_t begin, int64_t end) {
+  char* cache = static_cast<char*>(p.cache);
+  const size_t row_bytes = static_cast<size_t>(p.dim) * p.elem_bytes;
+  for (int64_t slice = begin; slice < end; ++slice) {
+    const int64_t b = slice / p.heads, h = slice % p.heads;
+    const int64_t past = p.past_len[b];
+    const int64_t* path = p.accepted + b * p.width;
+    for (int64_t j = 1; j < p.accept_len[b]; ++j) {
+      if (path[j] == j) continue;
+      std::memcpy(cache + kv_row_offset(p, b, h, past + j) * p.elem_bytes,
+                  cache + kv_row_offset(p, b, h, past + path[j]) * p.elem_bytes, row_bytes);
+    }
+  }
+}
+
+}  // namespace ddtree::cpu

@@ -1,0 +1,89 @@
+// Tree construction, greedy verification and KV commit kernels.
+#include "core/kv_commit.h"
+#include "core/tree_build.h"
+#include "core/tree_verify.h"
+#include "kernels/launch.cuh"
+#include "kernels/launchers.h"
+
+namespace ddtree {
+namespace DDTREE_KERNEL_NS {
+namespace {
+
+constexpr int kBuildThreads = 128;
+
+// One block per request: thread 0 runs the best-first enumeration with its heap and node
+// table in shared memory; the block then fills the padding rows.
+__global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildTreeParams p) {
+  DDTREE_DYNAMIC_SMEM(unsigned char, smem);
+  __shared__ int64_t count;
+  const int64_t rows = p.budget + 1;
+  for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
+    if (threadIdx.x == 0) {
+      TreeBuildScratch s;
+      s.heap = reinterpret_cast<TreeCandidate*>(smem);
+      s.node_parent = reinterpret_cast<int32_t*>(smem + rows * sizeof(TreeCandidate));
+      s.node_rank = reinterpret_cast<int16_t*>(smem + rows * (sizeof(TreeCandidate) + 4));
+      build_tree_request(p, b, s);
+      count = p.num_nodes[b];
+    }
+    __syncthreads();
+    for (int64_t i = count + threadIdx.x; i < rows; i += blockDim.x) fill_tree_padding(p, b, i);
+    __syncthreads();
+  }
+}
+
+__global__ void verify_greedy_kernel(const VerifyGreedyParams p) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < p.batch) verify_greedy_request(p, b);
+}
+
+// One block per (head, request); rows move one at a time in increasing j (see kv_commit.h).
+template <class elem_t>
+__global__ void commit_kv_kernel(const CommitKvParams p) {
+  const int64_t h = blockIdx.x, b = blockIdx.y;
+  elem_t* cache = static_cast<elem_t*>(p.cache);
+  const int64_t past = p.past_len[b], len = p.accept_len[b];
+  const int64_t* path = p.accepted + b * p.width;
+  for (int64_t j = 1; j < len; ++j) {
+    const int64_t src = path[j];
+    if (src != j) {
+      const elem_t* from = cache + kv_row_offset(p, b, h, past + src);
+      elem_t* to = cache + kv_row_offset(p, b, h, past + j);
+      for (int64_t d = threadIdx.x; d < p.dim; d += blockDim.x) to[d] = from[d];
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+size_t build_tree_smem_bytes(int64_t budget) {
+  return static_cast<size_t>(budget + 1) * (sizeof(TreeCandidate) + sizeof(int32_t) + sizeof(int16_t));
+}
+
+int launch_build_tree(const BuildTreeParams& p, void* stream) {
+  if (p.batch == 0) return 0;
+  const unsigned grid = static_cast<unsigned>(p.batch < 65535 ? p.batch : 65535);
+  return launch_kernel(build_tree_kernel, dim3(grid), dim3(kBuildThreads),
+                       build_tree_smem_bytes(p.budget), stream, p);
+}
+
+int launch_verify_greedy(const VerifyGreedyParams& p, void* stream) {
+  if (p.batch == 0) return 0;
+  return launch_kernel(verify_greedy_kernel, dim3(static_cast<unsigned>(ceil_div(p.batch, 128))),
+                       dim3(128), 0, stream, p);
+}
+
+int launch_commit_kv(const CommitKvParams& p, void* stream) {
+  if (p.batch == 0 || p.heads == 0 || p.dim == 0) return 0;
+  const dim3 grid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
+  const dim3 block(p.dim >= 128 ? 128 : 32);
+  switch (p.elem_bytes) {
+    case 2: return launch_kernel(commit_kv_kernel<uint16_t>, grid, block, 0, stream, p);
+    case 4: return launch_kernel(commit_kv_kernel<uint32_t>, grid, block, 0, stream, p);
+    default: return launch_kernel(commit_kv_kernel<uint64_t>, grid, block, 0, stream, p);
+  }
+}
+
+}  // namespace DDTREE_KERNEL_NS
+}  // namespace ddtree
