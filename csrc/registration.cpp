@@ -13,6 +13,7 @@ void define_public_ops(torch::Library& m) {
   m.def(
       "tree_attention_mask(Tensor parents, Tensor num_nodes, int past, ScalarType dtype) -> "
       "Tensor");
+  m.def("tree_topk(Tensor logits, int k) -> (Tensor logprobs, Tensor ids)");
   m.def(
       "build_tree(Tensor logprobs, Tensor ids, Tensor root_tokens, int budget, "
       "Tensor? budgets=None) -> (Tensor node_tokens, Tensor parents, Tensor depths, "

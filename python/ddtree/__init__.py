@@ -45,7 +45,9 @@ from .ops import (  # noqa: E402
     TreeVisibility,
     build_tree,
     commit_kv_,
+    draft_to_tree,
     tree_attention_mask,
+    tree_topk,
     tree_visibility,
     verify_greedy,
 )
@@ -77,6 +79,8 @@ __all__ = [
     "build_tree",
     "verify_greedy",
     "commit_kv_",
+    "tree_topk",
+    "draft_to_tree",
     "DraftTree",
     "GreedyVerdict",
 ]

@@ -17,6 +17,14 @@ def _register(namespace: str) -> None:
         b, n = parents.shape
         return parents.new_empty((b, 1, n, past + n), dtype=dtype)
 
+    @torch.library.register_fake(f"{namespace}::tree_topk")
+    def _tree_topk(logits, k):
+        b, l, _ = logits.shape
+        return (
+            logits.new_empty((b, l, k), dtype=torch.float32),
+            logits.new_empty((b, l, k), dtype=torch.int64),
+        )
+
     @torch.library.register_fake(f"{namespace}::build_tree")
     def _build_tree(logprobs, ids, root_tokens, budget, budgets=None):
         b = logprobs.shape[0]

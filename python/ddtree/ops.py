@@ -93,3 +93,27 @@ def commit_kv_(
     """In place (SPEC §6): cache rows past + accepted[j] move to past + j for j < accept_len.
     layout "BHSD" ([B, H, S, D]) or "BSHD"; the caller then sets its length to past + accept_len."""
     torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout)
+
+
+def tree_topk(logits: torch.Tensor, k: int):
+    """(logprobs float32 [B, L, k], ids int64 [B, L, k]): log-softmax over the full vocabulary
+    and the k best tokens per row, descending, ties to the lower id (NaN ranks below -inf)."""
+    return torch.ops.ddtree.tree_topk(logits, int(k))
+
+
+def draft_to_tree(
+    draft_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    budget: int,
+    start: Union[int, torch.Tensor] = 0,
+    budgets: Optional[torch.Tensor] = None,
+    k: Optional[int] = None,
+):
+    """Draft logits [B, L, V] -> (DraftTree, TreeVisibility): tree_topk -> build_tree ->
+    tree_visibility, three launches. K defaults to min(budget, V, 1024), which is sufficient
+    for the optimal tree (SPEC §3)."""
+    vocab = draft_logits.shape[-1]
+    k = min(int(budget), vocab, 1024) if k is None else int(k)
+    logprobs, ids = tree_topk(draft_logits, k)
+    tree = build_tree(logprobs, ids, root_tokens, budget, budgets)
+    return tree, tree_visibility(tree.parents, tree.num_nodes, start)

@@ -167,9 +167,12 @@ def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD"):
 
 def tree_topk(logits, k: int):
     """Log-softmax over the full vocabulary (as logits - logsumexp, in float32) and the k best
-    per row, descending, ties to the lower token id (stable sort)."""
+    per row: descending value, ties to the lower token id, NaN logits ranked below -inf."""
     x = logits.float()
     logprobs = x - torch.logsumexp(x, dim=-1, keepdim=True)
-    values, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    nan = torch.isnan(x)
+    order = torch.sort(x.masked_fill(nan, -math.inf), dim=-1, descending=True, stable=True).indices
+    order = torch.gather(order, -1, torch.sort(torch.gather(nan, -1, order).to(torch.int8), dim=-1,
+                                               stable=True).indices)
     ids = order[..., :k]
     return torch.gather(logprobs, -1, ids), ids

@@ -1,0 +1,166 @@
+"""tree_topk and the draft_to_tree chain: reference.py, golden vectors, emulated kernel, bad input."""
+import math
+
+import pytest
+import torch
+
+import ddtree
+from ddtree import reference
+from conftest import KERNEL_BACKENDS, cuda_available, kernel_device
+
+ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
+
+
+def topk(backend, logits, k):
+    if backend == "cpu":
+        return torch.ops.ddtree.tree_topk(logits, k)
+    ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
+    lp, ids = ops.tree_topk(logits.to(kernel_device(backend)), k)
+    return lp.cpu(), ids.cpu()
+
+
+def check(backend, logits, k):
+    lp, ids = topk(backend, logits, k)
+    ref_lp, ref_ids = reference.tree_topk(logits, k)
+    assert lp.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, ref_ids)
+    # Log-sum-exp accumulation order differs (fp32): a few ulps of the row's scale.
+    finite = ref_lp[torch.isfinite(ref_lp)]
+    scale = 1 + (finite.abs().max().item() if finite.numel() else 0)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-6 * scale, equal_nan=True)
+
+
+SHAPES = [(2, 3, 50, 5), (1, 2, 3000, 64), (2, 2, 777, 1), (1, 1, 2500, 1024), (1, 2, 1024, 1024),
+          (3, 1, 5, 5), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(backend, dtype, shape):
+    b, l, v, k = shape
+    g = torch.Generator().manual_seed(v * 31 + k)
+    check(backend, (torch.randn(b, l, v, generator=g) * 3).to(dtype), k)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("k", [1, 8, 1024])
+def test_candidate_buffer_compaction(backend, k):
+    """Vocabularies beyond the kernel's candidate buffer (4096 keys): random rows compact once,
+    ascending rows (every token beats the running k-th best) compact again and again."""
+    g = torch.Generator().manual_seed(k)
+    random_row = torch.randn(1, 1, 10000, generator=g)
+    ascending = torch.arange(12000, dtype=torch.float32).reshape(1, 1, -1) / 1000
+    check(backend, torch.cat([random_row[..., :9000], ascending[..., :9000]], 1), k)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_ties_go_to_the_lower_token_id(backend):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 3000, generator=g).round()  # thousands of exact ties
+    check(backend, logits, 100)
+    flat = torch.zeros(1, 1, 2100)  # all equal: ids 0..k-1
+    lp, ids = topk(backend, flat, 70)
+    assert ids[0, 0].tolist() == list(range(70))
+    torch.testing.assert_close(lp, torch.full_like(lp, -math.log(2100)))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_nan_and_inf_logits(backend):
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(1, 4, 1500, generator=g)
+    logits[0, 0, 7] = math.nan          # a NaN makes the row's log-probs NaN (never in a tree)
+    logits[0, 1, 100:] = -math.inf      # only 100 finite candidates
+    logits[0, 2, :] = math.nan
+    logits[0, 3, ::2] = -math.inf
+    check(backend, logits, 300)
+    lp, ids = topk(backend, logits, 300)
+    assert ids[0, 1, :100].sort().values.tolist() == list(range(100))
+    assert torch.isinf(lp[0, 1, 100:]).all()
+
+
+def test_golden_top_k(golden):
+    """The golden top-k inputs: same ids (ties aside, where torch's order is unspecified) and the
+    same log-probs to float32 rounding."""
+    cases, tensors = golden
+    for case in cases:
+        if case["budget"] == 0:
+            continue
+        i = case["case"]
+        logits = tensors[f"case{i}.logits"][None]
+        k = tensors[f"case{i}.top_log_probs"].shape[1]
+        lp, ids = torch.ops.ddtree.tree_topk(logits, k)
+        gold_lp, gold_ids = tensors[f"case{i}.top_log_probs"], tensors[f"case{i}.top_token_ids"]
+        torch.testing.assert_close(lp[0], gold_lp, rtol=0, atol=1e-5)
+        if case["logit_scale"] > 0:  # continuous logits: no ties
+            assert torch.equal(ids[0], gold_ids), f"case {i}"
+        else:  # ties: same multiset of values per depth, ours ordered by id among equals
+            assert torch.equal(lp[0], lp[0].sort(-1, descending=True).values)
+            assert torch.equal(torch.gather(logits[0], -1, ids[0]).sort(-1).values,
+                               torch.gather(logits[0], -1, gold_ids).sort(-1).values)
+
+
+def test_golden_top_k_emulated_on_mid_size_cases(golden):
+    cases, tensors = golden
+    for case in cases:
+        if case["budget"] == 0 or case["vocab"] > 2000 or case["logit_scale"] <= 0:
+            continue
+        i = case["case"]
+        logits = tensors[f"case{i}.logits"][None]
+        k = tensors[f"case{i}.top_log_probs"].shape[1]
+        _, ids = torch.ops.ddtree_emu.tree_topk(logits[:, :3], k)
+        assert torch.equal(ids[0], tensors[f"case{i}.top_token_ids"][:3]), f"case {i}"
+
+
+def test_draft_to_tree_chains_the_ops(golden):
+    """From raw golden logits to the reference's tree, with visibility and positions."""
+    cases, tensors = golden
+    for case in cases:
+        if case["logit_scale"] <= 0:
+            continue  # tie cases: torch's top-k order among equal logits is unspecified
+        i = case["case"]
+        logits = tensors[f"case{i}.logits"][None]
+        tree, vis = ddtree.draft_to_tree(logits, torch.tensor([case["bonus_token"]]), case["budget"],
+                                         start=40)
+        n = case["num_nodes"] + 1
+        assert int(tree.num_nodes[0]) == n
+        assert torch.equal(tree.node_tokens[0, 1:n], tensors[f"case{i}.node_token_ids"]), f"case {i}"
+        assert torch.equal(tree.parents[0, :n], tensors[f"case{i}.parents"])
+        assert torch.equal(vis.visible[0, :n, :n], tensors[f"case{i}.visibility"])
+        assert torch.equal(vis.positions[0, :n], 40 + tree.depths[0, :n])
+
+
+@pytest.mark.parametrize("namespace", ["ddtree", "ddtree_emu"])
+def test_opcheck(namespace):
+    logits = torch.randn(2, 3, 100)
+    torch.library.opcheck(getattr(torch.ops, namespace).tree_topk.default, (logits, 7))
+    torch.library.opcheck(getattr(torch.ops, namespace).tree_topk.default, (logits.half(), 1))
+
+
+def test_bad_input():
+    x = torch.randn(2, 3, 100)
+    with pytest.raises(RuntimeError, match=r"logits must be a 3-D tensor \[B, L, V\]"):
+        torch.ops.ddtree.tree_topk(x[0], 5)
+    with pytest.raises(RuntimeError, match="logits must be float32, bfloat16 or float16, got Double"):
+        torch.ops.ddtree.tree_topk(x.double(), 5)
+    with pytest.raises(RuntimeError, match="k = 101 exceeds the vocabulary size V = 100"):
+        torch.ops.ddtree.tree_topk(x, 101)
+    with pytest.raises(RuntimeError, match=r"k must be in \[0, 1024\], got 2000"):
+        torch.ops.ddtree.tree_topk(torch.randn(1, 1, 3000), 2000)
+    with pytest.raises(RuntimeError, match=r"k must be in \[0, 1024\], got -1"):
+        torch.ops.ddtree.tree_topk(x, -1)
+
+
+def test_empty_shapes():
+    lp, ids = torch.ops.ddtree.tree_topk(torch.randn(0, 3, 10), 4)
+    assert lp.shape == (0, 3, 4)
+    lp, ids = torch.ops.ddtree_emu.tree_topk(torch.randn(2, 3, 10), 0)
+    assert ids.shape == (2, 3, 0)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
+def test_cuda_large_vocabulary():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 15, 262144, generator=g).to(torch.bfloat16)
+    check("cuda", logits, 1024)
+    check("cuda", logits[:, :, :151936].contiguous(), 64)
