@@ -23,6 +23,11 @@ void define_public_ops(torch::Library& m) {
       "Tensor num_nodes, Tensor target_tokens, int max_depth) -> "
       "(Tensor accepted, Tensor accept_len, Tensor bonus)");
   m.def(
+      "verify_sample(Tensor node_tokens, Tensor first_child, Tensor next_sibling, "
+      "Tensor num_nodes, Tensor target_logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor seed, Tensor offset, int max_depth) -> "
+      "(Tensor accepted, Tensor accept_len, Tensor bonus)");
+  m.def(
       "commit_kv_(Tensor(a!) cache, Tensor past_len, Tensor accepted, Tensor accept_len, "
       "str layout=\"BHSD\") -> ()");
 }

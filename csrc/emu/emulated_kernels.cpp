@@ -3,5 +3,6 @@
 #define DDTREE_EMULATE 1
 #include "kernels/simt_selftest.cu"
 #include "kernels/tree_ops.cu"
+#include "kernels/tree_sample.cu"
 #include "kernels/tree_topk.cu"
 #include "kernels/tree_visibility.cu"

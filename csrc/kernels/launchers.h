@@ -9,6 +9,7 @@
 #include "core/kv_commit.h"
 #include "core/simt_selftest.h"
 #include "core/tree_build.h"
+#include "core/tree_sample.h"
 #include "core/tree_topk.h"
 #include "core/tree_verify.h"
 #include "core/tree_visibility.h"
@@ -20,7 +21,8 @@
   size_t build_tree_smem_bytes(int64_t budget);                                       \
   int launch_verify_greedy(const ::ddtree::VerifyGreedyParams& p, void* stream);      \
   int launch_commit_kv(const ::ddtree::CommitKvParams& p, void* stream);              \
-  int launch_tree_topk(const ::ddtree::TreeTopkParams& p, void* stream);
+  int launch_tree_topk(const ::ddtree::TreeTopkParams& p, void* stream);              \
+  int launch_verify_sample(const ::ddtree::VerifySampleParams& p, void* stream);
 
 namespace ddtree {
 namespace gpu {

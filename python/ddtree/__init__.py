@@ -50,6 +50,7 @@ from .ops import (  # noqa: E402
     tree_topk,
     tree_visibility,
     verify_greedy,
+    verify_sample,
 )
 
 
@@ -78,6 +79,7 @@ __all__ = [
     "TreeVisibility",
     "build_tree",
     "verify_greedy",
+    "verify_sample",
     "commit_kv_",
     "tree_topk",
     "draft_to_tree",

@@ -40,6 +40,11 @@ def _register(namespace: str) -> None:
             node_tokens.new_empty((b,), dtype=torch.int64),
         )
 
+    @torch.library.register_fake(f"{namespace}::verify_sample")
+    def _verify_sample(node_tokens, first_child, next_sibling, num_nodes, target_logits,
+                       temperature, top_k, top_p, seed, offset, max_depth):
+        return _verify_greedy(node_tokens, first_child, next_sibling, num_nodes, None, max_depth)
+
     @torch.library.register_fake(f"{namespace}::commit_kv_")
     def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD"):
         return None

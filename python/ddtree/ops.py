@@ -83,6 +83,42 @@ def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) 
     )
 
 
+def _per_request(value, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype).expand(batch).contiguous() if value.dim() == 0 \
+            else value.to(device=device, dtype=dtype)
+    return torch.full((batch,), value, dtype=dtype, device=device)
+
+
+def verify_sample(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    max_depth: int,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    top_k: Union[int, torch.Tensor] = 0,
+    top_p: Union[float, torch.Tensor] = 1.0,
+    seed: Union[int, torch.Tensor] = 0,
+    offset: Union[int, torch.Tensor] = 0,
+) -> GreedyVerdict:
+    """Lossless sampling walk (SPEC §5): at each node draw y from the target's filtered
+    distribution (temperature, then top-k, then top-p, as Hugging Face samples); follow the child
+    carrying y, else stop with bonus y. Randomness: Philox keyed by (seed, offset, request, node),
+    so equal inputs give equal outputs and a CUDA graph can replay it (pass tensors for the
+    per-request settings and bump `offset` each round). temperature <= 0 means greedy."""
+    b, device = tree.node_tokens.shape[0], tree.node_tokens.device
+    return GreedyVerdict(
+        *torch.ops.ddtree.verify_sample(
+            tree.node_tokens, tree.first_child, tree.next_sibling, tree.num_nodes, target_logits,
+            _per_request(temperature, b, torch.float32, device),
+            _per_request(top_k, b, torch.int64, device),
+            _per_request(top_p, b, torch.float32, device),
+            _per_request(seed, b, torch.int64, device),
+            _per_request(offset, b, torch.int64, device),
+            int(max_depth),
+        )
+    )
+
+
 def commit_kv_(
     cache: torch.Tensor,
     past_len: torch.Tensor,

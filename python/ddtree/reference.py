@@ -176,3 +176,58 @@ def tree_topk(logits, k: int):
                                                stable=True).indices)
     ids = order[..., :k]
     return torch.gather(logprobs, -1, ids), ids
+
+
+def filtered_probs(logits_row, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The target's sampling distribution for one row (float64 [V]): temperature, then top-k
+    (values >= the k-th largest kept), then top-p (lowest values dropped, whole groups of equal
+    value at a time, while their cumulative mass stays <= 1 - top_p). T <= 0: one-hot argmax."""
+    x = logits_row.double()
+    if temperature <= 0:
+        probs = torch.zeros_like(x)
+        probs[int(torch.argmax(x))] = 1.0  # torch.argmax returns the first maximal index
+        return probs
+    z = x / temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if 0 < top_k < z.numel():
+        keep &= z >= torch.topk(z, top_k).values[-1]
+    weights = torch.where(keep, torch.exp(z - z[keep].max()), torch.zeros_like(z))
+    probs = weights / weights.sum()
+    if top_p < 1.0:
+        dropped = 0.0
+        for value in torch.unique(z[keep]).tolist():  # ascending
+            group = float(probs[z == value].sum())
+            if dropped + group > 1.0 - top_p:
+                break
+            dropped += group
+            keep &= z != value
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_walk_distribution(node_tokens, parents, num_nodes, target_logits, max_depth: int,
+                             temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """Exact distribution of what verify_sample emits for one tree: {(accepted tokens below the
+    root..., bonus): probability} — the target sampling token after token, until a token leaves
+    the tree. This is the distribution of sampling the target directly."""
+    count = int(num_nodes)
+    children = {}
+    for i in range(1, count):
+        children.setdefault(int(parents[i]), {})[int(node_tokens[i])] = i
+    out = {}
+
+    def walk(node, emitted, mass, length):
+        probs = filtered_probs(target_logits[node], temperature, top_k, top_p)
+        for token, q in enumerate(probs.tolist()):
+            if q == 0.0:
+                continue
+            child = children.get(node, {}).get(token)
+            if child is not None and length < max_depth + 1:
+                walk(child, emitted + (token,), mass * q, length + 1)
+            else:
+                key = emitted + (token,)
+                out[key] = out.get(key, 0.0) + mass * q
+
+    walk(0, (), 1.0, 1)
+    return out

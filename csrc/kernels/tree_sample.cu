@@ -1,0 +1,217 @@
+// verify_sample kernel: one block per request walks the tree; at each node the block filters and
+// samples the target row with integer-exact block primitives (see core/tree_sample.h).
+#include "core/tree_sample.h"
+#include "kernels/launch.cuh"
+#include "kernels/launchers.h"
+
+namespace ddtree {
+namespace DDTREE_KERNEL_NS {
+namespace {
+
+constexpr int kSampleThreads = 256;
+constexpr int kWarps = kSampleThreads / 32;
+constexpr unsigned kAllLanes = 0xffffffffu;
+using u64 = unsigned long long;  // the type CUDA's 64-bit atomics take
+
+struct SampleShared {
+  u64 hist[256];
+  u64 warp[kWarps];
+  u64 value;      // broadcast slot
+  u64 remaining;
+  u64 below;
+  float fvalue;
+};
+
+__device__ u64 block_sum(u64 v, SampleShared& sh) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kAllLanes, v, off);
+  if (threadIdx.x % 32 == 0) sh.warp[threadIdx.x / 32] = v;
+  __syncthreads();
+  u64 total = 0;
+  for (int w = 0; w < kWarps; ++w) total += sh.warp[w];
+  __syncthreads();
+  return total;
+}
+
+__device__ u64 block_max_u64(u64 v, SampleShared& sh) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const u64 o = __shfl_xor_sync(kAllLanes, v, off);
+    v = o > v ? o : v;
+  }
+  if (threadIdx.x % 32 == 0) sh.warp[threadIdx.x / 32] = v;
+  __syncthreads();
+  u64 best = sh.warp[0];
+  for (int w = 1; w < kWarps; ++w) best = sh.warp[w] > best ? sh.warp[w] : best;
+  __syncthreads();
+  return best;
+}
+
+// Max of the scaled logits, NaN ignored (-inf if none).
+__device__ float block_max_scaled(const VerifySampleParams& p, int64_t b, int64_t node, float t,
+                                  SampleShared& sh) {
+  float m = -__builtin_inff();
+  for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
+    const float z = sample_logit(p, b, node, v) / t;
+    if (z > m) m = z;
+  }
+  const u64 key = block_max_u64(float_order_key(m), sh);
+  return float_from_order_key(static_cast<uint32_t>(key));
+}
+
+// Value key of the k-th largest scaled logit (ties counted): MSB-first radix select on counts.
+__device__ uint32_t select_top_k(const VerifySampleParams& p, int64_t b, int64_t node, float t,
+                                 int64_t k, SampleShared& sh) {
+  uint32_t prefix = 0, mask = 0;
+  if (threadIdx.x == 0) sh.remaining = static_cast<u64>(k);
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int d = threadIdx.x; d < 256; d += blockDim.x) sh.hist[d] = 0;
+    __syncthreads();
+    for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
+      const uint32_t key = sample_value_key(sample_logit(p, b, node, v) / t);
+      if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255u], 1ull);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int d = 255;
+      for (; d > 0 && sh.hist[d] < sh.remaining; --d) sh.remaining -= sh.hist[d];
+      sh.value = prefix | (static_cast<uint32_t>(d) << shift);
+    }
+    __syncthreads();
+    prefix = static_cast<uint32_t>(sh.value);
+    mask |= 0xffu << shift;
+  }
+  return prefix;
+}
+
+// Smallest value key K among kept tokens with mass(key <= K) > drop (MSB-first radix select on
+// mass, ascending); sh.below receives mass(key < K).
+__device__ uint32_t select_top_p(const VerifySampleParams& p, int64_t b, int64_t node, float t,
+                                 float m, uint32_t keep_from, u64 drop, SampleShared& sh) {
+  uint32_t prefix = 0, mask = 0;
+  if (threadIdx.x == 0) {
+    sh.remaining = drop;
+    sh.below = 0;
+  }
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int d = threadIdx.x; d < 256; d += blockDim.x) sh.hist[d] = 0;
+    __syncthreads();
+    for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
+      const float z = sample_logit(p, b, node, v) / t;
+      const uint32_t key = sample_value_key(z);
+      if (key >= keep_from && (key & mask) == prefix)
+        atomicAdd(&sh.hist[(key >> shift) & 255u], static_cast<u64>(sample_weight(z, m)));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int d = 0;
+      for (; d < 255 && sh.hist[d] <= sh.remaining; ++d) {
+        sh.remaining -= sh.hist[d];
+        sh.below += sh.hist[d];
+      }
+      sh.value = prefix | (static_cast<uint32_t>(d) << shift);
+    }
+    __syncthreads();
+    prefix = static_cast<uint32_t>(sh.value);
+    mask |= 0xffu << shift;
+  }
+  return prefix;
+}
+
+// Greedy choice: the best (value, lowest id) token.
+__device__ int64_t block_argmax(const VerifySampleParams& p, int64_t b, int64_t node,
+                                SampleShared& sh) {
+  u64 best = 0;
+  for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
+    const u64 key = topk_key(sample_logit(p, b, node, v), v);
+    best = key > best ? key : best;
+  }
+  return topk_key_id(block_max_u64(best, sh));
+}
+
+__device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t node,
+                               SampleShared& sh) {
+  const float t = p.temperature[b];
+  if (!(t > 0.f)) return block_argmax(p, b, node, sh);
+  const float m = block_max_scaled(p, b, node, t, sh);
+  const int64_t top_k = p.top_k[b];
+  const uint32_t keep_k = (top_k > 0 && top_k < p.vocab) ? select_top_k(p, b, node, t, top_k, sh) : 0u;
+  u64 local = 0;
+  for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
+    const float z = sample_logit(p, b, node, v) / t;
+    if (sample_value_key(z) >= keep_k) local += sample_weight(z, m);
+  }
+  u64 total = block_sum(local, sh);
+  uint32_t keep = keep_k;
+  if (total > 0 && p.top_p[b] < 1.f) {
+    keep = select_top_p(p, b, node, t, m, keep_k, top_p_drop_mass(p.top_p[b], total), sh);
+    total -= sh.below;
+  }
+  if (total == 0) return block_argmax(p, b, node, sh);
+  const u64 target = mulhi64(sample_random64(p.seed[b], p.offset[b], b, node), total);
+  // First token (by id) whose inclusive cumulative weight exceeds target.
+  u64 carried = 0;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t base = 0; base < p.vocab; base += blockDim.x) {
+    const int64_t v = base + threadIdx.x;
+    u64 w = 0;
+    if (v < p.vocab) {
+      const float z = sample_logit(p, b, node, v) / t;
+      if (sample_value_key(z) >= keep) w = sample_weight(z, m);
+    }
+    u64 incl = w;
+    for (int off = 1; off < 32; off <<= 1) {
+      const u64 o = __shfl_up_sync(kAllLanes, incl, off);
+      if (lane >= off) incl += o;
+    }
+    if (lane == 31) sh.warp[warp] = incl;
+    if (threadIdx.x == 0) sh.value = ~0ull;
+    __syncthreads();
+    u64 before = carried;
+    for (int q = 0; q < warp; ++q) before += sh.warp[q];
+    const u64 cum = before + incl;
+    if (w > 0 && cum > target && cum - w <= target) sh.value = static_cast<u64>(v);
+    u64 chunk = 0;
+    for (int q = 0; q < kWarps; ++q) chunk += sh.warp[q];
+    __syncthreads();
+    const u64 found = sh.value;
+    __syncthreads();
+    if (found != ~0ull) return static_cast<int64_t>(found);
+    carried += chunk;
+  }
+  return block_argmax(p, b, node, sh);  // unreachable: target < total
+}
+
+__global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const VerifySampleParams p) {
+  __shared__ SampleShared sh;
+  for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
+    int64_t* accepted = p.accepted + b * p.width;
+    int64_t cur = 0, len = 1;
+    for (;;) {
+      const int64_t y = sample_node(p, b, cur, sh);
+      const int64_t child = find_child(p, b, cur, y);
+      if (child < 0 || len >= p.width) {
+        if (threadIdx.x == 0) p.bonus[b] = y;
+        break;
+      }
+      if (threadIdx.x == 0) accepted[len] = child;
+      ++len;
+      cur = child;
+    }
+    if (threadIdx.x == 0) {
+      accepted[0] = 0;
+      for (int64_t j = len; j < p.width; ++j) accepted[j] = -1;
+      p.accept_len[b] = len;
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+int launch_verify_sample(const VerifySampleParams& p, void* stream) {
+  if (p.batch == 0) return 0;
+  const unsigned grid = static_cast<unsigned>(p.batch < 65535 ? p.batch : 65535);
+  return launch_kernel(verify_sample_kernel, dim3(grid), dim3(kSampleThreads), 0, stream, p);
+}
+
+}  // namespace DDTREE_KERNEL_NS
+}  // namespace ddtree
