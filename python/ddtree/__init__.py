@@ -39,6 +39,7 @@ def _load_native():
 _C = _load_native()
 
 from . import _fake  # noqa: E402,F401  (registers the fake kernels)
+from .eagle import EagleVerifyInputs, gather_accepted, to_eagle_format  # noqa: E402
 from .ops import (  # noqa: E402
     DraftTree,
     GreedyVerdict,
@@ -84,5 +85,8 @@ __all__ = [
     "tree_topk",
     "draft_to_tree",
     "DraftTree",
+    "to_eagle_format",
+    "EagleVerifyInputs",
+    "gather_accepted",
     "GreedyVerdict",
 ]
