@@ -12,7 +12,6 @@ struct TreeTopkParams {
   const void* logits = nullptr;  // [rows, vocab] contiguous rows (rows = B * L)
   LogitsDtype dtype = LogitsDtype::kFloat32;
   int64_t rows = 0, vocab = 0, k = 0;
-  const float* lse = nullptr;    // [rows] precomputed log-sum-exp (CPU path); null on the GPU
   float* logprobs = nullptr;     // [rows, k]
   int64_t* ids = nullptr;        // [rows, k]
 };

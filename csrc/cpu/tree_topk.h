@@ -1,4 +1,4 @@
-// CPU top-k selection of tree_topk over a range of rows (float32 logits, log-sum-exp given).
+// CPU tree_topk over a range of rows (float32 logits): fused log-sum-exp + top-k selection.
 #pragma once
 
 #include "core/tree_topk.h"

@@ -39,11 +39,9 @@ std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
   p.k = k;
   p.logprobs = logprobs.data_ptr<float>();
   p.ids = ids.data_ptr<int64_t>();
-  Tensor source, lse;
+  Tensor source;
   if constexpr (kBackend == Backend::kCpu) {
-    source = logits.to(at::kFloat).contiguous();
-    lse = at::logsumexp(source, {-1}).contiguous();  // vectorised and parallel in ATen
-    p.lse = lse.data_ptr<float>();
+    source = logits.to(at::kFloat).contiguous();  // the CPU rows read float32
   } else {
     source = logits.contiguous();
     p.dtype = dtype == at::kBFloat16 ? LogitsDtype::kBFloat16
