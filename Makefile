@@ -36,6 +36,7 @@ bench-cpp: $(STAMP)
 
 bench-cpu: bench-cpp
 	$(CMAKE_BUILD)/bench_tree_visibility
+	$(CMAKE_BUILD)/bench_tree_ops
 
 clean:
 	rm -rf build python/ddtree/_C*.so python/ddtree/_build_info.py

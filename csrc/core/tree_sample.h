@@ -16,26 +16,20 @@
 #pragma once
 
 #include "core/tree_topk.h"
+#include "core/tree_verify.h"
 
 namespace ddtree {
 
 struct VerifySampleParams {
-  const int64_t* node_tokens = nullptr;   // [B, N]
-  const int64_t* first_child = nullptr;   // [B, N]
-  const int64_t* next_sibling = nullptr;  // [B, N]
-  const int64_t* num_nodes = nullptr;     // [B]
+  TreeWalkParams walk;
   const void* logits = nullptr;           // [B, N, V] target logits per tree row, contiguous
   LogitsDtype dtype = LogitsDtype::kFloat32;
-  int64_t batch = 0, n = 0, vocab = 0;
+  int64_t vocab = 0;
   const float* temperature = nullptr;     // [B]
   const int64_t* top_k = nullptr;         // [B] 0 = off
   const float* top_p = nullptr;           // [B] 1 = off
   const int64_t* seed = nullptr;          // [B]
   const int64_t* offset = nullptr;        // [B]
-  int64_t width = 0;                      // A = max_depth + 1
-  int64_t* accepted = nullptr;            // [B, A]
-  int64_t* accept_len = nullptr;          // [B]
-  int64_t* bonus = nullptr;               // [B]
 };
 
 DDTREE_HOST_DEVICE uint32_t mulhi32(uint32_t a, uint32_t b) {
@@ -92,19 +86,9 @@ DDTREE_HOST_DEVICE uint64_t top_p_drop_mass(float top_p, uint64_t total) {
   return static_cast<uint64_t>((1.0 - static_cast<double>(top_p)) * static_cast<double>(total));
 }
 
-// The child of `node` carrying `token`, or -1 (links followed only towards larger indices).
-DDTREE_HOST_DEVICE int64_t find_child(const VerifySampleParams& p, int64_t b, int64_t node,
-                                      int64_t token) {
-  const int64_t base = b * p.n, count = p.num_nodes[b];
-  for (int64_t c = p.first_child[base + node], prev = node; c > prev && c < count;
-       prev = c, c = p.next_sibling[base + c])
-    if (p.node_tokens[base + c] == token) return c;
-  return -1;
-}
-
 DDTREE_HOST_DEVICE float sample_logit(const VerifySampleParams& p, int64_t b, int64_t node,
                                       int64_t v) {
-  const int64_t at = (b * p.n + node) * p.vocab + v;
+  const int64_t at = (b * p.walk.n + node) * p.vocab + v;
   switch (p.dtype) {
     case LogitsDtype::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(p.logits)[at]);
     case LogitsDtype::kFloat16: return half_bits_to_float(static_cast<const uint16_t*>(p.logits)[at]);

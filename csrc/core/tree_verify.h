@@ -6,46 +6,55 @@
 
 namespace ddtree {
 
-struct VerifyGreedyParams {
-  const int64_t* node_tokens = nullptr;    // [B, N]
-  const int64_t* first_child = nullptr;    // [B, N]
-  const int64_t* next_sibling = nullptr;   // [B, N]
-  const int64_t* num_nodes = nullptr;      // [B]
-  const int64_t* target_tokens = nullptr;  // [B, N] target's token (argmax) at every node
+// A padded batch of trees to walk and the walk's outputs (shared by greedy and sampling verify).
+struct TreeWalkParams {
+  const int64_t* node_tokens = nullptr;   // [B, N]
+  const int64_t* first_child = nullptr;   // [B, N]
+  const int64_t* next_sibling = nullptr;  // [B, N]
+  const int64_t* num_nodes = nullptr;     // [B]
   int64_t batch = 0, n = 0;
-  int64_t width = 0;                       // A = max_depth + 1 accepted slots
-  int64_t* accepted = nullptr;             // [B, A] node indices, -1 padded
-  int64_t* accept_len = nullptr;           // [B] >= 1 (root counted)
-  int64_t* bonus = nullptr;                // [B] target token at the last accepted node
+  int64_t width = 0;                      // A = max_depth + 1 accepted slots
+  int64_t* accepted = nullptr;            // [B, A] node indices, -1 padded
+  int64_t* accept_len = nullptr;          // [B] >= 1 (root counted)
+  int64_t* bonus = nullptr;               // [B] token emitted after the accepted path
 };
 
-// The walk follows only links to larger indices (children after parents, siblings increasing),
-// so malformed links end it instead of looping.
-DDTREE_HOST_DEVICE void verify_greedy_request(const VerifyGreedyParams& p, int64_t b) {
-  const int64_t n = p.n, count = p.num_nodes[b];
-  const int64_t* tokens = p.node_tokens + b * n;
-  const int64_t* first_child = p.first_child + b * n;
-  const int64_t* next_sibling = p.next_sibling + b * n;
-  const int64_t* target = p.target_tokens + b * n;
-  int64_t* accepted = p.accepted + b * p.width;
-  int64_t cur = 0, len = 1;
+// The child of `node` carrying `token`, or -1. Links are followed only towards larger indices
+// (children after parents, siblings increasing), so malformed links end the search.
+DDTREE_HOST_DEVICE int64_t find_child(const TreeWalkParams& w, int64_t b, int64_t node,
+                                      int64_t token) {
+  const int64_t base = b * w.n, count = w.num_nodes[b];
+  for (int64_t c = w.first_child[base + node], prev = node; c > prev && c < count;
+       prev = c, c = w.next_sibling[base + c])
+    if (w.node_tokens[base + c] == token) return c;
+  return -1;
+}
+
+// Pads the accepted row after `len` entries and records the walk's length and bonus token.
+DDTREE_HOST_DEVICE void finish_walk(const TreeWalkParams& w, int64_t b, int64_t len, int64_t bonus) {
+  int64_t* accepted = w.accepted + b * w.width;
   accepted[0] = 0;
-  while (len < p.width) {
-    const int64_t want = target[cur];
-    int64_t found = -1;
-    for (int64_t c = first_child[cur], prev = cur; c > prev && c < count; prev = c, c = next_sibling[c]) {
-      if (tokens[c] == want) {
-        found = c;
-        break;
-      }
-    }
-    if (found < 0) break;
-    accepted[len++] = found;
-    cur = found;
+  for (int64_t j = len; j < w.width; ++j) accepted[j] = -1;
+  w.accept_len[b] = len;
+  w.bonus[b] = bonus;
+}
+
+struct VerifyGreedyParams {
+  TreeWalkParams walk;
+  const int64_t* target_tokens = nullptr;  // [B, N] target's token (argmax) at every node
+};
+
+DDTREE_HOST_DEVICE void verify_greedy_request(const VerifyGreedyParams& p, int64_t b) {
+  const TreeWalkParams& w = p.walk;
+  const int64_t* target = p.target_tokens + b * w.n;
+  int64_t cur = 0, len = 1;
+  while (len < w.width) {
+    const int64_t child = find_child(w, b, cur, target[cur]);
+    if (child < 0) break;
+    w.accepted[b * w.width + len++] = child;
+    cur = child;
   }
-  for (int64_t j = len; j < p.width; ++j) accepted[j] = -1;
-  p.accept_len[b] = len;
-  p.bonus[b] = target[cur];
+  finish_walk(w, b, len, target[cur]);
 }
 
 }  // namespace ddtree

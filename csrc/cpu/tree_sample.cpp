@@ -77,22 +77,17 @@ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t node, Scratc
 
 void verify_sample_requests(const VerifySampleParams& p, int64_t b_begin, int64_t b_end) {
   Scratch scratch;
+  const TreeWalkParams& w = p.walk;
   for (int64_t b = b_begin; b < b_end; ++b) {
-    int64_t* accepted = p.accepted + b * p.width;
-    int64_t cur = 0, len = 1;
-    accepted[0] = 0;
+    int64_t cur = 0, len = 1, y = 0;
     for (;;) {
-      const int64_t y = sample_node(p, b, cur, scratch);
-      const int64_t child = find_child(p, b, cur, y);
-      if (child < 0 || len >= p.width) {
-        p.bonus[b] = y;
-        break;
-      }
-      accepted[len++] = child;
+      y = sample_node(p, b, cur, scratch);
+      const int64_t child = find_child(w, b, cur, y);
+      if (child < 0 || len >= w.width) break;
+      w.accepted[b * w.width + len++] = child;
       cur = child;
     }
-    for (int64_t j = len; j < p.width; ++j) accepted[j] = -1;
-    p.accept_len[b] = len;
+    finish_walk(w, b, len, y);
   }
 }
 

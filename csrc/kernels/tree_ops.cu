@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildTr
 
 __global__ void verify_greedy_kernel(const VerifyGreedyParams p) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b < p.batch) verify_greedy_request(p, b);
+  if (b < p.walk.batch) verify_greedy_request(p, b);
 }
 
 // One block per (head, request); rows move one at a time in increasing j (see kv_commit.h).
@@ -69,8 +69,8 @@ int launch_build_tree(const BuildTreeParams& p, void* stream) {
 }
 
 int launch_verify_greedy(const VerifyGreedyParams& p, void* stream) {
-  if (p.batch == 0) return 0;
-  return launch_kernel(verify_greedy_kernel, dim3(static_cast<unsigned>(ceil_div(p.batch, 128))),
+  if (p.walk.batch == 0) return 0;
+  return launch_kernel(verify_greedy_kernel, dim3(static_cast<unsigned>(ceil_div(p.walk.batch, 128))),
                        dim3(128), 0, stream, p);
 }
 

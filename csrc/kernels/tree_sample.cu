@@ -182,25 +182,18 @@ __device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t n
 
 __global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const VerifySampleParams p) {
   __shared__ SampleShared sh;
-  for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
-    int64_t* accepted = p.accepted + b * p.width;
-    int64_t cur = 0, len = 1;
+  const TreeWalkParams& w = p.walk;
+  for (int64_t b = blockIdx.x; b < w.batch; b += gridDim.x) {
+    int64_t cur = 0, len = 1, y = 0;
     for (;;) {
-      const int64_t y = sample_node(p, b, cur, sh);
-      const int64_t child = find_child(p, b, cur, y);
-      if (child < 0 || len >= p.width) {
-        if (threadIdx.x == 0) p.bonus[b] = y;
-        break;
-      }
-      if (threadIdx.x == 0) accepted[len] = child;
+      y = sample_node(p, b, cur, sh);
+      const int64_t child = find_child(w, b, cur, y);
+      if (child < 0 || len >= w.width) break;
+      if (threadIdx.x == 0) w.accepted[b * w.width + len] = child;
       ++len;
       cur = child;
     }
-    if (threadIdx.x == 0) {
-      accepted[0] = 0;
-      for (int64_t j = len; j < p.width; ++j) accepted[j] = -1;
-      p.accept_len[b] = len;
-    }
+    if (threadIdx.x == 0) finish_walk(w, b, len, y);
     __syncthreads();
   }
 }
@@ -208,8 +201,8 @@ __global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const Ver
 }  // namespace
 
 int launch_verify_sample(const VerifySampleParams& p, void* stream) {
-  if (p.batch == 0) return 0;
-  const unsigned grid = static_cast<unsigned>(p.batch < 65535 ? p.batch : 65535);
+  if (p.walk.batch == 0) return 0;
+  const unsigned grid = static_cast<unsigned>(p.walk.batch < 65535 ? p.walk.batch : 65535);
   return launch_kernel(verify_sample_kernel, dim3(grid), dim3(kSampleThreads), 0, stream, p);
 }
 

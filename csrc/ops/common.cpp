@@ -41,6 +41,63 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
               " like the other inputs, got ", t.device());
 }
 
+LogitsDtype logits_dtype(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? LogitsDtype::kBFloat16
+         : dtype == at::kHalf   ? LogitsDtype::kFloat16
+                                : LogitsDtype::kFloat32;
+}
+
+TreeWalkTensors prepare_tree_walk(const char* op, const at::Tensor& node_tokens,
+                                  const at::Tensor& first_child, const at::Tensor& next_sibling,
+                                  const at::Tensor& num_nodes, int64_t max_depth) {
+  TORCH_CHECK(node_tokens.dim() == 2, op, ": node_tokens must be a 2-D tensor [B, N], got shape ",
+              node_tokens.sizes());
+  const int64_t B = node_tokens.size(0), N = node_tokens.size(1);
+  TORCH_CHECK(N >= 1, op, ": trees need at least the root row (N >= 1)");
+  TORCH_CHECK(max_depth >= 0, op, ": max_depth must be >= 0, got ", max_depth);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"node_tokens", &node_tokens},
+                                {"first_child", &first_child}, {"next_sibling", &next_sibling}}) {
+    check_index_tensor(op, name, *t);
+    TORCH_CHECK(t->sizes() == node_tokens.sizes(), op, ": ", name, " must have shape [B, N] = ",
+                node_tokens.sizes(), ", got ", t->sizes());
+    check_same_device(op, name, *t, node_tokens);
+  }
+  check_index_tensor(op, "num_nodes", num_nodes);
+  TORCH_CHECK(num_nodes.dim() == 1 && num_nodes.size(0) == B, op,
+              ": num_nodes must have shape [B] = [", B, "], got ", num_nodes.sizes());
+  check_same_device(op, "num_nodes", num_nodes, node_tokens);
+  TreeWalkTensors t;
+  t.node_tokens = node_tokens.to(at::kLong).contiguous();
+  t.first_child = first_child.to(at::kLong).contiguous();
+  t.next_sibling = next_sibling.to(at::kLong).contiguous();
+  t.num_nodes = num_nodes.to(at::kLong).contiguous();
+  if (B > 0 && should_validate_values(node_tokens)) {
+    const int64_t low = t.num_nodes.min().item<int64_t>(), high = t.num_nodes.max().item<int64_t>();
+    TORCH_CHECK(low >= 1 && high <= N, op, ": num_nodes must be in [1, N] = [1, ", N,
+                "] (the root counts), found values in [", low, ", ", high, "]");
+  }
+  const auto opts = node_tokens.options().dtype(at::kLong);
+  t.accepted = at::empty({B, max_depth + 1}, opts);
+  t.accept_len = at::empty({B}, opts);
+  t.bonus = at::empty({B}, opts);
+  return t;
+}
+
+TreeWalkParams TreeWalkTensors::params() const {
+  TreeWalkParams w;
+  w.node_tokens = node_tokens.data_ptr<int64_t>();
+  w.first_child = first_child.data_ptr<int64_t>();
+  w.next_sibling = next_sibling.data_ptr<int64_t>();
+  w.num_nodes = num_nodes.data_ptr<int64_t>();
+  w.batch = node_tokens.size(0);
+  w.n = node_tokens.size(1);
+  w.width = accepted.size(1);
+  w.accepted = accepted.data_ptr<int64_t>();
+  w.accept_len = accept_len.data_ptr<int64_t>();
+  w.bonus = bonus.data_ptr<int64_t>();
+  return w;
+}
+
 int launch_on_device(const char* op, Backend backend, const at::Tensor& on,
                      const std::function<int(void*)>& launch) {
   if (backend == Backend::kEmulated) {

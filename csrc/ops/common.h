@@ -9,6 +9,9 @@
 
 #include <functional>
 
+#include "core/tree_topk.h"
+#include "core/tree_verify.h"
+
 namespace ddtree {
 
 // Where an op's work runs. kEmulated runs the CUDA kernel source on the CPU through the SIMT
@@ -29,8 +32,20 @@ void check_index_tensor(const char* op, const char* name, const at::Tensor& t);
 void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like);
 
-template <class Params>
-using Launcher = int (*)(const Params&, void*);
+// Logits element type of the kernels (float32 / bfloat16 / float16 only; callers check).
+LogitsDtype logits_dtype(at::ScalarType dtype);
+
+// Tree tensors of a verify op, checked (shapes [B, N] / [B], index dtypes, one device, num_nodes
+// in [1, N]), as contiguous int64, plus the walk's outputs [B, max_depth + 1], [B], [B].
+struct TreeWalkTensors {
+  at::Tensor node_tokens, first_child, next_sibling, num_nodes;
+  at::Tensor accepted, accept_len, bonus;
+  TreeWalkParams params() const;
+};
+
+TreeWalkTensors prepare_tree_walk(const char* op, const at::Tensor& node_tokens,
+                                  const at::Tensor& first_child, const at::Tensor& next_sibling,
+                                  const at::Tensor& num_nodes, int64_t max_depth);
 
 // Launches a kernel on `on`'s device: real CUDA (current stream) or the emulator.
 int launch_on_device(const char* op, Backend backend, const at::Tensor& on,

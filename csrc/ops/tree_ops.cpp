@@ -125,47 +125,17 @@ std::tuple<Tensor, Tensor, Tensor> verify_greedy(const Tensor& node_tokens,
                                                  const Tensor& num_nodes,
                                                  const Tensor& target_tokens, int64_t max_depth) {
   constexpr const char* op = "verify_greedy";
-  TORCH_CHECK(node_tokens.dim() == 2, op, ": node_tokens must be a 2-D tensor [B, N], got shape ",
-              node_tokens.sizes());
-  const int64_t B = node_tokens.size(0), N = node_tokens.size(1);
-  TORCH_CHECK(N >= 1, op, ": trees need at least the root row (N >= 1)");
-  TORCH_CHECK(max_depth >= 0, op, ": max_depth must be >= 0, got ", max_depth);
-  const std::pair<const char*, const Tensor*> per_node[] = {
-      {"node_tokens", &node_tokens}, {"first_child", &first_child},
-      {"next_sibling", &next_sibling}, {"target_tokens", &target_tokens}};
-  for (const auto& [name, t] : per_node) {
-    check_index_tensor(op, name, *t);
-    check_shape(op, name, *t, {B, N}, "[B, N]");
-    check_same_device(op, name, *t, node_tokens);
-  }
-  check_index_tensor(op, "num_nodes", num_nodes);
-  check_shape(op, "num_nodes", num_nodes, {B}, "[B]");
-  check_same_device(op, "num_nodes", num_nodes, node_tokens);
-  const Tensor tok = as_long(node_tokens), fc = as_long(first_child), ns = as_long(next_sibling);
-  const Tensor count = as_long(num_nodes), target = as_long(target_tokens);
-  if (B > 0 && should_validate_values(node_tokens)) {
-    const int64_t low = count.min().item<int64_t>(), high = count.max().item<int64_t>();
-    TORCH_CHECK(low >= 1 && high <= N, op, ": num_nodes must be in [1, N] = [1, ", N,
-                "] (the root counts), found values in [", low, ", ", high, "]");
-  }
-  const int64_t width = max_depth + 1;
-  const auto opts = node_tokens.options().dtype(at::kLong);
-  Tensor accepted = at::empty({B, width}, opts), accept_len = at::empty({B}, opts);
-  Tensor bonus = at::empty({B}, opts);
+  const TreeWalkTensors t =
+      prepare_tree_walk(op, node_tokens, first_child, next_sibling, num_nodes, max_depth);
+  check_index_tensor(op, "target_tokens", target_tokens);
+  check_shape(op, "target_tokens", target_tokens, node_tokens.sizes(), "[B, N]");
+  check_same_device(op, "target_tokens", target_tokens, node_tokens);
+  const Tensor target = as_long(target_tokens);
   VerifyGreedyParams p;
-  p.node_tokens = tok.data_ptr<int64_t>();
-  p.first_child = fc.data_ptr<int64_t>();
-  p.next_sibling = ns.data_ptr<int64_t>();
-  p.num_nodes = count.data_ptr<int64_t>();
+  p.walk = t.params();
   p.target_tokens = target.data_ptr<int64_t>();
-  p.batch = B;
-  p.n = N;
-  p.width = width;
-  p.accepted = accepted.data_ptr<int64_t>();
-  p.accept_len = accept_len.data_ptr<int64_t>();
-  p.bonus = bonus.data_ptr<int64_t>();
-  run_op<kBackend>(op, kVerifyKernels, p, node_tokens, B, 64);
-  return {accepted, accept_len, bonus};
+  run_op<kBackend>(op, kVerifyKernels, p, node_tokens, p.walk.batch, 64);
+  return {t.accepted, t.accept_len, t.bonus};
 }
 
 // ---- commit_kv_ ----

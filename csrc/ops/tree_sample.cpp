@@ -38,19 +38,9 @@ std::tuple<Tensor, Tensor, Tensor> verify_sample(
     const Tensor& top_k, const Tensor& top_p, const Tensor& seed, const Tensor& offset,
     int64_t max_depth) {
   constexpr const char* op = "verify_sample";
-  TORCH_CHECK(node_tokens.dim() == 2, op, ": node_tokens must be a 2-D tensor [B, N], got shape ",
-              node_tokens.sizes());
+  const TreeWalkTensors tree =
+      prepare_tree_walk(op, node_tokens, first_child, next_sibling, num_nodes, max_depth);
   const int64_t B = node_tokens.size(0), N = node_tokens.size(1);
-  TORCH_CHECK(N >= 1, op, ": trees need at least the root row (N >= 1)");
-  TORCH_CHECK(max_depth >= 0, op, ": max_depth must be >= 0, got ", max_depth);
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"node_tokens", &node_tokens},
-                                {"first_child", &first_child}, {"next_sibling", &next_sibling}}) {
-    check_index_tensor(op, name, *t);
-    TORCH_CHECK(t->sizes() == node_tokens.sizes(), op, ": ", name, " must have shape [B, N] = ",
-                node_tokens.sizes(), ", got ", t->sizes());
-    check_same_device(op, name, *t, node_tokens);
-  }
-  check_vector(op, "num_nodes", num_nodes, B, node_tokens, false);
   TORCH_CHECK(target_logits.dim() == 3 && target_logits.size(0) == B && target_logits.size(1) == N,
               op, ": target_logits must have shape [B, N, V] with B = ", B, ", N = ", N, ", got ",
               target_logits.sizes());
@@ -66,45 +56,26 @@ std::tuple<Tensor, Tensor, Tensor> verify_sample(
   check_vector(op, "top_p", top_p, B, node_tokens, true);
   check_vector(op, "seed", seed, B, node_tokens, false);
   check_vector(op, "offset", offset, B, node_tokens, false);
-  const Tensor tok = node_tokens.to(at::kLong).contiguous(), fc = first_child.to(at::kLong).contiguous();
-  const Tensor ns = next_sibling.to(at::kLong).contiguous(), count = num_nodes.to(at::kLong).contiguous();
   const Tensor logits = target_logits.contiguous(), temp = temperature.contiguous();
   const Tensor k = top_k.to(at::kLong).contiguous(), pp = top_p.contiguous();
   const Tensor sd = seed.to(at::kLong).contiguous(), off = offset.to(at::kLong).contiguous();
   if (B > 0 && should_validate_values(node_tokens)) {
-    TORCH_CHECK(count.min().item<int64_t>() >= 1 && count.max().item<int64_t>() <= N, op,
-                ": num_nodes must be in [1, N] = [1, ", N, "] (the root counts)");
     TORCH_CHECK(k.min().item<int64_t>() >= 0, op, ": top_k must be >= 0 (0 disables it)");
     TORCH_CHECK((pp > 0).logical_and(pp <= 1).all().item<bool>(), op,
                 ": top_p must be in (0, 1] (1 disables it)");
   }
-  const int64_t width = max_depth + 1;
-  const auto opts = node_tokens.options().dtype(at::kLong);
-  Tensor accepted = at::empty({B, width}, opts), accept_len = at::empty({B}, opts);
-  Tensor bonus = at::empty({B}, opts);
   VerifySampleParams p;
-  p.node_tokens = tok.data_ptr<int64_t>();
-  p.first_child = fc.data_ptr<int64_t>();
-  p.next_sibling = ns.data_ptr<int64_t>();
-  p.num_nodes = count.data_ptr<int64_t>();
+  p.walk = tree.params();
   p.logits = logits.data_ptr();
-  p.dtype = dtype == at::kBFloat16 ? LogitsDtype::kBFloat16
-            : dtype == at::kHalf   ? LogitsDtype::kFloat16
-                                   : LogitsDtype::kFloat32;
-  p.batch = B;
-  p.n = N;
+  p.dtype = logits_dtype(dtype);
   p.vocab = V;
   p.temperature = temp.data_ptr<float>();
   p.top_k = k.data_ptr<int64_t>();
   p.top_p = pp.data_ptr<float>();
   p.seed = sd.data_ptr<int64_t>();
   p.offset = off.data_ptr<int64_t>();
-  p.width = width;
-  p.accepted = accepted.data_ptr<int64_t>();
-  p.accept_len = accept_len.data_ptr<int64_t>();
-  p.bonus = bonus.data_ptr<int64_t>();
   run_op<kBackend>(op, kSampleKernels, p, node_tokens, B, 1);
-  return {accepted, accept_len, bonus};
+  return {tree.accepted, tree.accept_len, tree.bonus};
 }
 
 template <Backend kBackend>

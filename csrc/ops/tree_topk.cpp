@@ -44,9 +44,7 @@ std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
     source = logits.to(at::kFloat).contiguous();  // the CPU rows read float32
   } else {
     source = logits.contiguous();
-    p.dtype = dtype == at::kBFloat16 ? LogitsDtype::kBFloat16
-              : dtype == at::kHalf   ? LogitsDtype::kFloat16
-                                     : LogitsDtype::kFloat32;
+    p.dtype = logits_dtype(dtype);
   }
   p.logits = source.data_ptr();
   run_op<kBackend>(op, kTopkKernels, p, logits, p.rows, 1);

@@ -55,6 +55,39 @@ def main() -> None:
               all(torch.equal(a.cpu(), b) for a, b in zip(gpu, out)))
     if not (same_ref and same_emu):
         raise SystemExit("demo: implementations disagree")
+    _round_demo()
+
+
+def _round_demo() -> None:
+    """One speculative round with synthetic logits: draft -> tree -> verify -> commit."""
+    g = torch.Generator().manual_seed(0)
+    vocab, depth, budget = 1000, 15, 32
+    truth = torch.randint(0, vocab, (depth + 1,), generator=g)  # the "target's" continuation
+    draft_logits = torch.randn(1, depth, vocab, generator=g) * 2
+    draft_logits[0, torch.arange(depth), truth[1:]] += 9  # a drafter that is usually right
+    tree, vis = ddtree.draft_to_tree(draft_logits, truth[:1], budget, start=50)
+    n = int(tree.num_nodes[0])
+    print(f"\nOne round: draft logits [1, {depth}, {vocab}] -> draft_to_tree(budget {budget}) -> "
+          f"{n} nodes, max depth {int(tree.depths[0].max())}")
+    # Target argmax per node: the true next token if the node is on the true path, else junk.
+    target = torch.randint(0, vocab, (1, budget + 1), generator=g)
+    for i in range(n):
+        d = int(tree.depths[0, i])
+        node, on_path = i, True
+        while node > 0:
+            on_path &= int(tree.node_tokens[0, node]) == int(truth[int(tree.depths[0, node])])
+            node = int(tree.parents[0, node])
+        if on_path and d < depth:
+            target[0, i] = truth[d + 1]
+    verdict = ddtree.verify_greedy(tree, target, depth)
+    k = int(verdict.accept_len[0])
+    path = verdict.accepted[0, :k].tolist()
+    print(f"verify_greedy: accepted nodes {path} (tokens {tree.node_tokens[0, path].tolist()}), "
+          f"bonus {int(verdict.bonus[0])}; true continuation {truth[:k + 1].tolist()}")
+    cache = torch.arange(1 * 2 * (50 + budget + 1) * 4, dtype=torch.float32).view(1, 2, -1, 4)
+    ddtree.commit_kv_(cache, torch.tensor([50]), verdict.accepted, verdict.accept_len)
+    print(f"commit_kv_: cache rows 50..{50 + k - 1} now hold tree rows {path} "
+          f"(row 50+j == old row 50+path[j]: {[int(cache[0, 0, 50 + j, 0]) // 4 - 0 for j in range(k)]})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+// CPU microbenchmarks of tree_topk, build_tree, verify_greedy, verify_sample and commit_kv_
+// (one thread: the functions the op adapters run under at::parallel_for). Each output is checked
+// before timing.
+#include <cstring>
+
+#include "bench/bench_tree_ops_inputs.h"
+#include "cpu/tree_ops.h"
+#include "cpu/tree_sample.h"
+#include "cpu/tree_topk.h"
+
+using namespace ddtree;
+using namespace ddtree::bench;
+
+namespace {
+
+int fail(const char* what) {
+  std::printf("MISMATCH in %s\n", what);
+  return 1;
+}
+
+}  // namespace
+
+int main() {
+  std::printf("CPU, one thread\n\n== tree_topk (L = 15 rows per request, k = 64) ==\n");
+  std::printf("%5s %7s | %10s %10s\n", "B", "V", "us", "ns/logit");
+  for (int64_t batch : {1, 16}) {
+    for (int64_t vocab : {32000, 151936}) {
+      const int64_t rows = batch * 15, k = 64;
+      std::vector<float> x = random_logits(rows, vocab, vocab + batch);
+      std::vector<float> lp(rows * k);
+      std::vector<int64_t> ids(rows * k);
+      TreeTopkParams p;
+      p.logits = x.data();
+      p.rows = rows;
+      p.vocab = vocab;
+      p.k = k;
+      p.logprobs = lp.data();
+      p.ids = ids.data();
+      cpu::tree_topk_rows(p, 0, rows);
+      for (int64_t r = 0; r < rows; r += 7)
+        if (reference_topk_ids(x.data() + r * vocab, vocab, k) !=
+            std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
+          return fail("tree_topk");
+      const double us = median_us([&] { cpu::tree_topk_rows(p, 0, rows); }, 5);
+      std::printf("%5lld %7lld | %10.1f %10.3f\n", static_cast<long long>(batch),
+                  static_cast<long long>(vocab), us, 1e3 * us / (rows * vocab));
+    }
+  }
+
+  std::printf("\n== build_tree (L = 15, K = min(budget, 1024)) ==\n%5s %7s | %10s %12s\n", "B",
+              "budget", "us", "us/request");
+  for (int64_t batch : {1, 64}) {
+    for (int64_t budget : {64, 256, 1024}) {
+      DraftTopk d = random_topk(batch, 15, std::min<int64_t>(budget, 1024), budget * 3 + batch);
+      TreeOutputs out(batch, budget + 1);
+      BuildTreeParams p = build_params(d, budget, out);
+      cpu::build_tree_requests(p, 0, batch);
+      if (!check_tree(d, budget, out.tokens, out.parents, out.depths, out.num_nodes))
+        return fail("build_tree");
+      const double us = median_us([&] { cpu::build_tree_requests(p, 0, batch); }, 9);
+      std::printf("%5lld %7lld | %10.1f %12.2f\n", static_cast<long long>(batch),
+                  static_cast<long long>(budget), us, us / batch);
+    }
+  }
+
+  std::printf("\n== verify_greedy / verify_sample (budget 64, L = 15, V = 32000 for sampling) ==\n");
+  {
+    const int64_t batch = 64, budget = 64, n = budget + 1, vocab = 32000, width = 16;
+    DraftTopk d = random_topk(batch, 15, 64, 5);
+    TreeOutputs tree(batch, n);
+    BuildTreeParams bp = build_params(d, budget, tree);
+    cpu::build_tree_requests(bp, 0, batch);
+    const std::vector<int64_t> target = first_child_targets(tree, batch, n);
+    std::vector<int64_t> accepted(batch * width), len(batch), bonus(batch);
+    VerifyGreedyParams vp;
+    vp.walk = walk_params(tree.tokens.data(), tree.first_child.data(), tree.next_sibling.data(),
+                          tree.num_nodes.data(), batch, n, width, accepted.data(), len.data(),
+                          bonus.data());
+    vp.target_tokens = target.data();
+    cpu::verify_greedy_requests(vp, 0, batch);
+    if (!check_path(tree, n, accepted, len, width)) return fail("verify_greedy");
+    for (int64_t b = 0; b < batch; ++b)
+      if (bonus[b] != target[b * n + accepted[b * width + len[b] - 1]]) return fail("verify_greedy");
+    const double us = median_us([&] { cpu::verify_greedy_requests(vp, 0, batch); }, 21);
+    std::printf("verify_greedy  B=%lld: %8.2f us\n", static_cast<long long>(batch), us);
+
+    const int64_t sb = 4;
+    std::vector<float> logits = random_logits(sb * n, vocab, 77);
+    std::vector<float> temperature(sb, 0.8f), top_p(sb, 0.9f);
+    std::vector<int64_t> top_k(sb, 50), seed(sb, 1), offset(sb, 0);
+    VerifySampleParams sp;
+    sp.walk = vp.walk;
+    sp.walk.batch = sb;
+    sp.logits = logits.data();
+    sp.vocab = vocab;
+    sp.temperature = temperature.data();
+    sp.top_k = top_k.data();
+    sp.top_p = top_p.data();
+    sp.seed = seed.data();
+    sp.offset = offset.data();
+    cpu::verify_sample_requests(sp, 0, sb);
+    len.resize(sb);
+    if (!check_path(tree, n, accepted, len, width)) return fail("verify_sample");
+    const double us_s = median_us([&] { cpu::verify_sample_requests(sp, 0, sb); }, 5);
+    std::printf("verify_sample  B=%lld (T=0.8, top-k 50, top-p 0.9): %8.1f us (%.1f us per request)\n",
+                static_cast<long long>(sb), us_s, us_s / sb);
+  }
+
+  std::printf("\n== commit_kv_ (bf16 [B, H, S, D] = [16, 8, 4096, 128], 16 accepted rows) ==\n");
+  {
+    const int64_t B = 16, H = 8, S = 4096, D = 128, A = 16;
+    std::vector<uint16_t> cache(B * H * S * D);
+    for (size_t i = 0; i < cache.size(); ++i) cache[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
+    std::vector<int64_t> past(B, 2000), accepted(B * A), len(B, A);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < A; ++j) accepted[b * A + j] = j == 0 ? 0 : j * 3 + b % 3;
+    CommitKvParams p = commit_params(B, H, S, D, A);
+    p.cache = cache.data();
+    p.past_len = past.data();
+    p.accepted = accepted.data();
+    p.accept_len = len.data();
+    const std::vector<uint16_t> before = cache;
+    cpu::commit_kv_slices(p, 0, B * H);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < A; ++j)
+        if (std::memcmp(&cache[kv_row_offset(p, b, 3, 2000 + j)],
+                        &before[kv_row_offset(p, b, 3, 2000 + accepted[b * A + j])], D * 2))
+          return fail("commit_kv_");
+    const double us = median_us([&] { cpu::commit_kv_slices(p, 0, B * H); }, 21);
+    std::printf("commit_kv_: %8.2f us (%.1f GB/s moved)\n", us, 2.0 * B * H * (A - 1) * D * 2 / us / 1e3);
+  }
+  return 0;
+}

@@ -1,0 +1,197 @@
+// CUDA microbenchmarks of tree_topk, build_tree, verify_greedy, verify_sample and commit_kv_:
+// each kernel's output is compared with the CPU implementation, then timed with CUDA events.
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "bench/bench_tree_ops_inputs.h"
+#include "cpu/tree_ops.h"
+#include "cpu/tree_sample.h"
+#include "cpu/tree_topk.h"
+#include "kernels/launchers.h"
+
+using namespace ddtree;
+using namespace ddtree::bench;
+
+namespace {
+
+template <class T>
+T* upload(const std::vector<T>& v) {
+  T* d = nullptr;
+  cudaMalloc(&d, v.size() * sizeof(T) + 16);
+  cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+template <class T>
+std::vector<T> download(const T* d, size_t n) {
+  std::vector<T> v(n);
+  cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+template <class F>
+double time_us(F&& launch, int iters = 50) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  launch();
+  cudaEventRecord(a);
+  for (int i = 0; i < iters; ++i) launch();
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  return 1000.0 * ms / iters;
+}
+
+int fail(const char* what) {
+  std::printf("MISMATCH in %s\n", what);
+  return 1;
+}
+
+}  // namespace
+
+int main() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("bench_tree_ops_cuda: no CUDA device; nothing to time\n");
+    return 0;
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("%s\n\n== tree_topk (L = 15, k = 64; fp32 logits) ==\n%5s %7s | %9s %9s\n", prop.name,
+              "B", "V", "us", "GB/s");
+  for (int64_t batch : {1, 16, 64}) {
+    for (int64_t vocab : {32000, 151936}) {
+      const int64_t rows = batch * 15, k = 64;
+      std::vector<float> x = random_logits(rows, vocab, vocab + batch);
+      float* dx = upload(x);
+      float* dlp = nullptr;
+      int64_t* dids = nullptr;
+      cudaMalloc(&dlp, rows * k * 4);
+      cudaMalloc(&dids, rows * k * 8);
+      TreeTopkParams p;
+      p.logits = dx;
+      p.rows = rows;
+      p.vocab = vocab;
+      p.k = k;
+      p.logprobs = dlp;
+      p.ids = dids;
+      if (gpu::launch_tree_topk(p, nullptr) != 0) return fail("tree_topk launch");
+      const std::vector<int64_t> ids = download(dids, rows * k);
+      for (int64_t r = 0; r < rows; r += 5)
+        if (reference_topk_ids(x.data() + r * vocab, vocab, k) !=
+            std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
+          return fail("tree_topk");
+      const double us = time_us([&] { gpu::launch_tree_topk(p, nullptr); });
+      std::printf("%5lld %7lld | %9.1f %9.0f\n", static_cast<long long>(batch),
+                  static_cast<long long>(vocab), us, rows * vocab * 4.0 / us / 1e3);
+      cudaFree(dx);
+      cudaFree(dlp);
+      cudaFree(dids);
+    }
+  }
+
+  std::printf("\n== build_tree (L = 15) ==\n%5s %7s | %9s\n", "B", "budget", "us");
+  for (int64_t batch : {1, 64, 256}) {
+    for (int64_t budget : {64, 256, 1024}) {
+      const int64_t n = budget + 1;
+      DraftTopk d = random_topk(batch, 15, std::min<int64_t>(budget, 1024), budget * 3 + batch);
+      TreeOutputs host(batch, n);
+      BuildTreeParams p = build_params(d, budget, host);
+      cpu::build_tree_requests(p, 0, batch);
+      int64_t* dev[6];
+      for (int i = 0; i < 6; ++i) dev[i] = upload(host.fields()[i]);
+      BuildTreeParams g = p;
+      g.logq = upload(d.logq);
+      g.ids = upload(d.ids);
+      g.root_tokens = upload(d.roots);
+      g.node_tokens = dev[0];
+      g.parents = dev[1];
+      g.depths = dev[2];
+      g.first_child = dev[3];
+      g.next_sibling = dev[4];
+      g.num_nodes = dev[5];
+      if (gpu::launch_build_tree(g, nullptr) != 0) return fail("build_tree launch");
+      for (int i = 0; i < 6; ++i)
+        if (download(dev[i], host.fields()[i].size()) != host.fields()[i]) return fail("build_tree");
+      const double us = time_us([&] { gpu::launch_build_tree(g, nullptr); }, 20);
+      std::printf("%5lld %7lld | %9.1f\n", static_cast<long long>(batch),
+                  static_cast<long long>(budget), us);
+      for (int i = 0; i < 6; ++i) cudaFree(dev[i]);
+    }
+  }
+
+  std::printf("\n== verify_greedy (B = 256) / verify_sample (B = 16, V = 32000), budget 64 ==\n");
+  {
+    const int64_t batch = 256, budget = 64, n = budget + 1, vocab = 32000, sb = 16, width = 16;
+    DraftTopk d = random_topk(batch, 15, 64, 5);
+    TreeOutputs tree(batch, n);
+    BuildTreeParams bp = build_params(d, budget, tree);
+    cpu::build_tree_requests(bp, 0, batch);
+    const std::vector<int64_t> target = first_child_targets(tree, batch, n);
+    std::vector<int64_t> accepted(batch * width), len(batch), bonus(batch);
+    VerifyGreedyParams p;
+    p.walk = walk_params(tree.tokens.data(), tree.first_child.data(), tree.next_sibling.data(),
+                         tree.num_nodes.data(), batch, n, width, accepted.data(), len.data(),
+                         bonus.data());
+    p.target_tokens = target.data();
+    cpu::verify_greedy_requests(p, 0, batch);
+    int64_t* d_acc = upload(accepted);
+    int64_t* d_len = upload(len);
+    int64_t* d_bonus = upload(bonus);
+    VerifyGreedyParams g;
+    g.walk = walk_params(upload(tree.tokens), upload(tree.first_child), upload(tree.next_sibling),
+                         upload(tree.num_nodes), batch, n, width, d_acc, d_len, d_bonus);
+    g.target_tokens = upload(target);
+    if (gpu::launch_verify_greedy(g, nullptr) != 0) return fail("verify_greedy launch");
+    if (download(d_acc, accepted.size()) != accepted || download(d_bonus, bonus.size()) != bonus)
+      return fail("verify_greedy");
+    std::printf("verify_greedy: %8.2f us\n", time_us([&] { gpu::launch_verify_greedy(g, nullptr); }));
+
+    std::vector<float> logits = random_logits(sb * n, vocab, 77);
+    std::vector<float> temperature(sb, 0.8f), top_p(sb, 0.9f);
+    std::vector<int64_t> top_k(sb, 50), seed(sb, 1), offset(sb, 0);
+    VerifySampleParams sp;
+    sp.walk = g.walk;
+    sp.walk.batch = sb;
+    sp.logits = upload(logits);
+    sp.vocab = vocab;
+    sp.temperature = upload(temperature);
+    sp.top_k = upload(top_k);
+    sp.top_p = upload(top_p);
+    sp.seed = upload(seed);
+    sp.offset = upload(offset);
+    if (gpu::launch_verify_sample(sp, nullptr) != 0) return fail("verify_sample launch");
+    if (!check_path(tree, n, download(d_acc, sb * width), download(d_len, sb), width))
+      return fail("verify_sample");
+    std::printf("verify_sample (T=0.8, top-k 50, top-p 0.9): %8.1f us\n",
+                time_us([&] { gpu::launch_verify_sample(sp, nullptr); }, 10));
+  }
+
+  std::printf("\n== commit_kv_ (bf16 [16, 8, 4096, 128], 16 accepted rows) ==\n");
+  {
+    const int64_t B = 16, H = 8, S = 4096, D = 128, A = 16;
+    std::vector<uint16_t> cache(B * H * S * D);
+    for (size_t i = 0; i < cache.size(); ++i) cache[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
+    std::vector<int64_t> past(B, 2000), accepted(B * A), len(B, A);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < A; ++j) accepted[b * A + j] = j == 0 ? 0 : j * 3 + b % 3;
+    CommitKvParams g = commit_params(B, H, S, D, A);
+    g.cache = upload(cache);
+    g.past_len = upload(past);
+    g.accepted = upload(accepted);
+    g.accept_len = upload(len);
+    CommitKvParams p = commit_params(B, H, S, D, A);
+    p.cache = cache.data();
+    p.past_len = past.data();
+    p.accepted = accepted.data();
+    p.accept_len = len.data();
+    cpu::commit_kv_slices(p, 0, B * H);
+    if (gpu::launch_commit_kv(g, nullptr) != 0) return fail("commit_kv launch");
+    if (download(static_cast<uint16_t*>(g.cache), cache.size()) != cache) return fail("commit_kv_");
+    std::printf("commit_kv_: %8.2f us\n", time_us([&] { gpu::launch_commit_kv(g, nullptr); }));
+  }
+  return 0;
+}

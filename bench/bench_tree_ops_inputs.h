@@ -1,0 +1,157 @@
+// Inputs and output checks for the tree-op microbenchmarks (CPU and CUDA share them).
+#pragma once
+
+#include <cmath>
+#include <numeric>
+
+#include "bench/bench_common.h"
+#include "core/kv_commit.h"
+#include "core/tree_build.h"
+#include "core/tree_sample.h"
+#include "core/tree_topk.h"
+#include "core/tree_verify.h"
+
+namespace ddtree::bench {
+
+inline std::vector<float> random_logits(int64_t rows, int64_t vocab, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<float> x(rows * vocab);
+  for (float& v : x) v = static_cast<float>(static_cast<double>(rng.below(1 << 24)) / (1 << 24) * 16.0 - 8.0);
+  return x;
+}
+
+// Sorted top-k log-probs + ids per depth, as build_tree takes them.
+struct DraftTopk {
+  int64_t batch, depth, k;
+  std::vector<float> logq;
+  std::vector<int64_t> ids, roots;
+};
+
+inline DraftTopk random_topk(int64_t batch, int64_t depth, int64_t k, uint64_t seed) {
+  DraftTopk d{batch, depth, k, std::vector<float>(batch * depth * k), std::vector<int64_t>(batch * depth * k),
+              std::vector<int64_t>(batch)};
+  Rng rng(seed);
+  for (int64_t r = 0; r < batch * depth; ++r) {
+    float v = -static_cast<float>(rng.below(1000)) / 1000.f;
+    for (int64_t j = 0; j < k; ++j) {
+      d.logq[r * k + j] = v;
+      d.ids[r * k + j] = j * 7 + r % 5;
+      v -= static_cast<float>(rng.below(1000) + 1) / 400.f;
+    }
+  }
+  for (int64_t b = 0; b < batch; ++b) d.roots[b] = b;
+  return d;
+}
+
+// Host buffers of a built tree batch ([B, N] each, num_nodes [B]).
+struct TreeOutputs {
+  std::vector<int64_t> tokens, parents, depths, first_child, next_sibling, num_nodes;
+  TreeOutputs(int64_t batch, int64_t n)
+      : tokens(batch * n), parents(batch * n), depths(batch * n), first_child(batch * n),
+        next_sibling(batch * n), num_nodes(batch) {}
+  std::vector<int64_t>* fields() { return &tokens; }  // the six vectors, in declaration order
+};
+
+inline BuildTreeParams build_params(DraftTopk& d, int64_t budget, TreeOutputs& out) {
+  BuildTreeParams p;
+  p.logq = d.logq.data();
+  p.ids = d.ids.data();
+  p.root_tokens = d.roots.data();
+  p.batch = d.batch;
+  p.depth = d.depth;
+  p.k = d.k;
+  p.budget = budget;
+  p.node_tokens = out.tokens.data();
+  p.parents = out.parents.data();
+  p.depths = out.depths.data();
+  p.first_child = out.first_child.data();
+  p.next_sibling = out.next_sibling.data();
+  p.num_nodes = out.num_nodes.data();
+  return p;
+}
+
+// Walk inputs over `tree` (host or device pointers) and outputs of width `width`.
+inline TreeWalkParams walk_params(const int64_t* tokens, const int64_t* first_child,
+                                  const int64_t* next_sibling, const int64_t* num_nodes,
+                                  int64_t batch, int64_t n, int64_t width, int64_t* accepted,
+                                  int64_t* accept_len, int64_t* bonus) {
+  TreeWalkParams w;
+  w.node_tokens = tokens;
+  w.first_child = first_child;
+  w.next_sibling = next_sibling;
+  w.num_nodes = num_nodes;
+  w.batch = batch;
+  w.n = n;
+  w.width = width;
+  w.accepted = accepted;
+  w.accept_len = accept_len;
+  w.bonus = bonus;
+  return w;
+}
+
+// Target tokens that follow each node's first child (long acceptances).
+inline std::vector<int64_t> first_child_targets(const TreeOutputs& t, int64_t batch, int64_t n) {
+  std::vector<int64_t> target(batch * n);
+  for (int64_t i = 0; i < batch * n; ++i) {
+    const int64_t c = t.first_child[i];
+    target[i] = c >= 0 ? t.tokens[(i / n) * n + c] : 1;
+  }
+  return target;
+}
+
+// Each accepted node is a child of the previous one.
+inline bool check_path(const TreeOutputs& t, int64_t n, const std::vector<int64_t>& accepted,
+                       const std::vector<int64_t>& len, int64_t width) {
+  for (size_t b = 0; b < len.size(); ++b)
+    for (int64_t j = 1; j < len[b]; ++j)
+      if (t.parents[b * n + accepted[b * width + j]] != accepted[b * width + j - 1]) return false;
+  return true;
+}
+
+inline CommitKvParams commit_params(int64_t B, int64_t H, int64_t S, int64_t D, int64_t A) {
+  CommitKvParams p;
+  p.elem_bytes = 2;
+  p.batch = B;
+  p.heads = H;
+  p.seq = S;
+  p.dim = D;
+  p.stride_b = H * S * D;
+  p.stride_h = S * D;
+  p.stride_s = D;
+  p.width = A;
+  return p;
+}
+
+// Top-k ids of one row by a plain partial sort (value desc, id asc).
+inline std::vector<int64_t> reference_topk_ids(const float* x, int64_t vocab, int64_t k) {
+  std::vector<int64_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+    return x[a] > x[b] || (x[a] == x[b] && a < b);
+  });
+  order.resize(k);
+  return order;
+}
+
+// parent < i, depth = parent's + 1, and path scores (float64) non-increasing in node order.
+inline bool check_tree(const DraftTopk& d, int64_t budget, const std::vector<int64_t>& tokens,
+                       const std::vector<int64_t>& parents, const std::vector<int64_t>& depths,
+                       const std::vector<int64_t>& num_nodes) {
+  const int64_t n = budget + 1;
+  for (int64_t b = 0; b < d.batch; ++b) {
+    std::vector<double> score(n, 0.0);
+    for (int64_t i = 1; i < num_nodes[b]; ++i) {
+      const int64_t p = parents[b * n + i], depth = depths[b * n + i];
+      if (p < 0 || p >= i || depth != depths[b * n + p] + 1) return false;
+      const int64_t row = (b * d.depth + depth - 1) * d.k;
+      int64_t rank = 0;
+      while (rank < d.k && d.ids[row + rank] != tokens[b * n + i]) ++rank;
+      if (rank == d.k) return false;
+      score[i] = score[p] + d.logq[row + rank];
+      if (i > 1 && score[i] > score[i - 1] + 1e-9) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace ddtree::bench
