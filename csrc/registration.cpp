@@ -28,6 +28,15 @@ void define_public_ops(torch::Library& m) {
       "Tensor seed, Tensor offset, int max_depth) -> "
       "(Tensor accepted, Tensor accept_len, Tensor bonus)");
   m.def(
+      "tree_causal_conv1d(Tensor x, Tensor conv_state, Tensor slots, Tensor weight, Tensor? bias, "
+      "Tensor parents, Tensor num_nodes, str? activation=\"silu\") -> Tensor");
+  m.def(
+      "tree_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, "
+      "Tensor slots, Tensor parents, Tensor num_nodes, int max_depth) -> Tensor");
+  m.def(
+      "commit_recurrent_(Tensor(a!) state, Tensor(b!) conv_state, Tensor slots, Tensor k, "
+      "Tensor v, Tensor g, Tensor beta, Tensor conv_x, Tensor accepted, Tensor accept_len) -> ()");
+  m.def(
       "commit_kv_(Tensor(a!) cache, Tensor past_len, Tensor accepted, Tensor accept_len, "
       "str layout=\"BHSD\") -> ()");
 }

@@ -59,6 +59,36 @@ DDTREE_HOST_DEVICE float half_bits_to_float(uint16_t h) {
   return float_from_bits(sign | ((113u - shifts) << 23) | ((man & 0x3ffu) << 13));
 }
 
+// binary32 -> bfloat16 / binary16 bits, round to nearest even (NaN stays NaN, overflow -> inf).
+DDTREE_HOST_DEVICE uint16_t float_to_bf16_bits(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu))
+    return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+DDTREE_HOST_DEVICE uint16_t float_to_half_bits(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u, exp = (u >> 23) & 0xffu;
+  uint32_t man = u & 0x7fffffu;
+  if (exp == 0xffu) return static_cast<uint16_t>(sign | 0x7c00u | (man ? 0x200u : 0u));
+  const int e = static_cast<int>(exp) - 112;  // rebias 127 -> 15
+  if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (e <= 0) {
+    if (e < -10) return static_cast<uint16_t>(sign);
+    man |= 0x800000u;
+    const uint32_t shift = static_cast<uint32_t>(14 - e);
+    uint32_t h = man >> shift;
+    const uint32_t rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  uint32_t h = sign | (static_cast<uint32_t>(e) << 10) | (man >> 13);
+  const uint32_t rem = man & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(h);
+}
+
 // Neither NaN nor -inf (bit test: immune to fast-math assumptions).
 DDTREE_HOST_DEVICE bool is_candidate_logprob(float x) {
   const uint32_t u = float_bits(x);
@@ -76,6 +106,26 @@ DDTREE_HOST_DEVICE uint32_t float_order_key(float x) {
 DDTREE_HOST_DEVICE float float_from_order_key(uint32_t key) {
   if (key == 0) return float_from_bits(0x7fc00000u);  // NaN
   return float_from_bits((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Element types of tensors the kernels read as float (logits, activations).
+enum class LogitsDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+using ElemDtype = LogitsDtype;
+
+DDTREE_HOST_DEVICE float load_elem(const void* base, ElemDtype dtype, int64_t at) {
+  switch (dtype) {
+    case ElemDtype::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[at]);
+    case ElemDtype::kFloat16: return half_bits_to_float(static_cast<const uint16_t*>(base)[at]);
+    default: return static_cast<const float*>(base)[at];
+  }
+}
+
+DDTREE_HOST_DEVICE void store_elem(void* base, ElemDtype dtype, int64_t at, float v) {
+  switch (dtype) {
+    case ElemDtype::kBFloat16: static_cast<uint16_t*>(base)[at] = float_to_bf16_bits(v); break;
+    case ElemDtype::kFloat16: static_cast<uint16_t*>(base)[at] = float_to_half_bits(v); break;
+    default: static_cast<float*>(base)[at] = v; break;
+  }
 }
 
 }  // namespace ddtree

@@ -88,12 +88,7 @@ DDTREE_HOST_DEVICE uint64_t top_p_drop_mass(float top_p, uint64_t total) {
 
 DDTREE_HOST_DEVICE float sample_logit(const VerifySampleParams& p, int64_t b, int64_t node,
                                       int64_t v) {
-  const int64_t at = (b * p.walk.n + node) * p.vocab + v;
-  switch (p.dtype) {
-    case LogitsDtype::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(p.logits)[at]);
-    case LogitsDtype::kFloat16: return half_bits_to_float(static_cast<const uint16_t*>(p.logits)[at]);
-    default: return static_cast<const float*>(p.logits)[at];
-  }
+  return load_elem(p.logits, p.dtype, (b * p.walk.n + node) * p.vocab + v);
 }
 
 }  // namespace ddtree

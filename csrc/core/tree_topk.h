@@ -6,7 +6,6 @@
 
 namespace ddtree {
 
-enum class LogitsDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 struct TreeTopkParams {
   const void* logits = nullptr;  // [rows, vocab] contiguous rows (rows = B * L)
@@ -17,12 +16,7 @@ struct TreeTopkParams {
 };
 
 DDTREE_HOST_DEVICE float load_logit(const TreeTopkParams& p, int64_t row, int64_t v) {
-  const int64_t at = row * p.vocab + v;
-  switch (p.dtype) {
-    case LogitsDtype::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(p.logits)[at]);
-    case LogitsDtype::kFloat16: return half_bits_to_float(static_cast<const uint16_t*>(p.logits)[at]);
-    default: return static_cast<const float*>(p.logits)[at];
-  }
+  return load_elem(p.logits, p.dtype, row * p.vocab + v);
 }
 
 // Selection key: a larger key is a better candidate (higher logit, then lower id). Ids are

@@ -2,6 +2,7 @@
 // below lands in namespace ddtree::emulated (see kernels/launch.cuh).
 #define DDTREE_EMULATE 1
 #include "kernels/simt_selftest.cu"
+#include "kernels/recurrent.cu"
 #include "kernels/tree_ops.cu"
 #include "kernels/tree_sample.cu"
 #include "kernels/tree_topk.cu"

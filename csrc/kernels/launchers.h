@@ -7,6 +7,7 @@
 #include <cstddef>
 
 #include "core/kv_commit.h"
+#include "core/recurrent.h"
 #include "core/simt_selftest.h"
 #include "core/tree_build.h"
 #include "core/tree_sample.h"
@@ -22,7 +23,10 @@
   int launch_verify_greedy(const ::ddtree::VerifyGreedyParams& p, void* stream);      \
   int launch_commit_kv(const ::ddtree::CommitKvParams& p, void* stream);              \
   int launch_tree_topk(const ::ddtree::TreeTopkParams& p, void* stream);              \
-  int launch_verify_sample(const ::ddtree::VerifySampleParams& p, void* stream);
+  int launch_verify_sample(const ::ddtree::VerifySampleParams& p, void* stream);      \
+  int launch_tree_conv(const ::ddtree::TreeConvParams& p, void* stream);              \
+  int launch_tree_gdn(const ::ddtree::TreeGdnParams& p, void* stream);                \
+  int launch_commit_recurrent(const ::ddtree::CommitRecurrentParams& p, void* stream);
 
 namespace ddtree {
 namespace gpu {

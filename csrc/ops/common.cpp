@@ -1,6 +1,10 @@
 #include "ops/common.h"
 
+#include "cpu/tree_visibility.h"
+
+#include <algorithm>
 #include <atomic>
+#include <vector>
 #include <stdexcept>
 
 #ifdef DDTREE_WITH_CUDA
@@ -39,6 +43,46 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like) {
   TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like.device(),
               " like the other inputs, got ", t.device());
+}
+
+int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
+                              const at::Tensor& num_nodes) {
+  const int64_t B = parents.size(0), N = parents.size(1);
+  const at::Tensor counts = host_view(num_nodes);
+  const int64_t* c = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(c[b] >= 0 && c[b] <= N, op, ": num_nodes[", b, "] = ", c[b],
+                " must be in [0, N] = [0, ", N, "]");
+  const at::Tensor host = host_view(parents).to(at::kLong);
+  const int64_t* par = host.data_ptr<int64_t>();
+  TreeVisibilityParams hp;
+  hp.parents = par;
+  hp.parents_int64 = true;
+  hp.parents_stride = N;
+  hp.num_nodes = c;
+  hp.batch = B;
+  hp.n = N;
+  int code = 0;
+  const int64_t bad = cpu::find_tree_parent_error(hp, &code);
+  if (bad >= 0) {
+    const int64_t b = bad / N, i = bad % N, v = par[bad];
+    TORCH_CHECK(code != 1, op, ": parents[", b, ", ", i, "] = ", v,
+                " must be smaller than its own index ", i, " (nodes are numbered so that ",
+                "parent < child)");
+    TORCH_CHECK(code != 2, op, ": parents[", b, ", ", i, "] = ", v,
+                " is invalid: use -1 for a root, otherwise an index in [0, ", i, ")");
+    TORCH_CHECK(false, op, ": parents[", b, ", ", i, "] = ", v, " is a padding row (i >= ",
+                "num_nodes[", b, "] = ", c[b], ") and must be -1");
+  }
+  int64_t deepest = 0;
+  std::vector<int64_t> depth(N);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t p = par[b * N + i];
+      depth[i] = p >= 0 ? depth[p] + 1 : 0;
+      deepest = std::max(deepest, depth[i]);
+    }
+  return deepest;
 }
 
 LogitsDtype logits_dtype(at::ScalarType dtype) {

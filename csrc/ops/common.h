@@ -32,6 +32,12 @@ void check_index_tensor(const char* op, const char* name, const at::Tensor& t);
 void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like);
 
+// Host-side value checks of a padded tree batch: num_nodes (int64 [B]) in [0, N]; parents
+// (contiguous int32/int64 [B, N]) in [-1, i) for real rows and -1 for padding rows. Returns the
+// largest node depth.
+int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
+                              const at::Tensor& num_nodes);
+
 // Logits element type of the kernels (float32 / bfloat16 / float16 only; callers check).
 LogitsDtype logits_dtype(at::ScalarType dtype);
 

@@ -52,31 +52,7 @@ TreeInputs prepare(const char* op, const Tensor& parents, const Tensor& num_node
   p.batch = B;
   p.n = N;
 
-  if (B > 0 && should_validate_values(parents)) {
-    const Tensor counts = host_view(in.num_nodes);
-    const int64_t* c = counts.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(c[b] >= 0 && c[b] <= N, op, ": num_nodes[", b, "] = ", c[b],
-                  " must be in [0, N] = [0, ", N, "]");
-    const Tensor host_parents = host_view(in.parents);
-    TreeVisibilityParams hp = p;
-    hp.parents = host_parents.data_ptr();
-    hp.num_nodes = c;
-    int code = 0;
-    const int64_t bad = cpu::find_tree_parent_error(hp, &code);
-    if (bad >= 0) {
-      const int64_t b = bad / N, i = bad % N;
-      const int64_t v = p.parents_int64 ? host_parents.data_ptr<int64_t>()[bad]
-                                        : host_parents.data_ptr<int32_t>()[bad];
-      TORCH_CHECK(code != 1, op, ": parents[", b, ", ", i, "] = ", v,
-                  " must be smaller than its own index ", i, " (nodes are numbered so that ",
-                  "parent < child)");
-      TORCH_CHECK(code != 2, op, ": parents[", b, ", ", i, "] = ", v,
-                  " is invalid: use -1 for a root, otherwise an index in [0, ", i, ")");
-      TORCH_CHECK(false, op, ": parents[", b, ", ", i, "] = ", v, " is a padding row (i >= ",
-                  "num_nodes[", b, "] = ", c[b], ") and must be -1");
-    }
-  }
+  if (B > 0 && should_validate_values(parents)) validate_tree_parents(op, in.parents, in.num_nodes);
   return in;
 }
 

@@ -45,6 +45,19 @@ def _register(namespace: str) -> None:
                        temperature, top_k, top_p, seed, offset, max_depth):
         return _verify_greedy(node_tokens, first_child, next_sibling, num_nodes, None, max_depth)
 
+    @torch.library.register_fake(f"{namespace}::tree_causal_conv1d")
+    def _tree_causal_conv1d(x, conv_state, slots, weight, bias, parents, num_nodes,
+                            activation="silu"):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{namespace}::tree_gated_delta_rule")
+    def _tree_gated_delta_rule(q, k, v, g, beta, state, slots, parents, num_nodes, max_depth):
+        return torch.empty_like(v)
+
+    @torch.library.register_fake(f"{namespace}::commit_recurrent_")
+    def _commit_recurrent(state, conv_state, slots, k, v, g, beta, conv_x, accepted, accept_len):
+        return None
+
     @torch.library.register_fake(f"{namespace}::commit_kv_")
     def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD"):
         return None

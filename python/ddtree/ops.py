@@ -153,3 +153,31 @@ def draft_to_tree(
     logprobs, ids = tree_topk(draft_logits, k)
     tree = build_tree(logprobs, ids, root_tokens, budget, budgets)
     return tree, tree_visibility(tree.parents, tree.num_nodes, start)
+
+
+def tree_causal_conv1d(x, conv_state, slots, weight, bias, parents, num_nodes,
+                       activation: Optional[str] = "silu") -> torch.Tensor:
+    """Depthwise causal conv over a tree (SPEC §7): node i convolves [anc_{W-1}, ..., parent, x_i],
+    reading the committed window conv_state[slots[b]] ([P, C, W] pool) above the root.
+    x [B, N, C], weight [C, W], bias [C] or None; returns [B, N, C]."""
+    return torch.ops.ddtree.tree_causal_conv1d(x, conv_state, slots, weight, bias, parents,
+                                               num_nodes, activation)
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, state, slots, parents, num_nodes,
+                          max_depth: int) -> torch.Tensor:
+    """Gated DeltaNet over a tree (SPEC §7): each node from its parent's state, the root from the
+    committed state[slots[b]] ([P, Hv, Dk, Dv] fp32 pool, not modified); q/k l2-normalised in the
+    kernel, GQA (Hv a multiple of Hk). q, k [B, N, Hk, Dk], v [B, N, Hv, Dv], g (log decay) and
+    beta [B, N, Hv]; returns [B, N, Hv, Dv]. Scratch: max_depth + 1 states per (request, head)."""
+    return torch.ops.ddtree.tree_gated_delta_rule(q, k, v, g, beta, state, slots, parents,
+                                                  num_nodes, int(max_depth))
+
+
+def commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
+                      accept_len) -> None:
+    """In place (SPEC §6): state[slots[b]] becomes the state after the accepted leaf (the path
+    recomputed from the committed state) and conv_state[slots[b]] the last W conv inputs along
+    [committed window, accepted path]."""
+    torch.ops.ddtree.commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
+                                       accept_len)

@@ -231,3 +231,89 @@ def sample_walk_distribution(node_tokens, parents, num_nodes, target_logits, max
 
     walk(0, (), 1.0, 1)
     return out
+
+
+# ---- recurrent layers (SPEC §7), chain formulas evaluated on each node's root->node path ----
+
+def l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_chain(q, k, v, g, beta, state):
+    """One sequence: q, k [T, Hk, Dk], v [T, Hv, Dv], g / beta [T, Hv], state [Hv, Dk, Dv].
+    Returns (out [T, Hv, Dv] fp32, final state fp32): S <- S*exp(g); delta = (v - S^T k)*beta;
+    S <- S + k (x) delta; out = S^T q with q, k l2-normalised and q / sqrt(Dk); Hv / Hk GQA."""
+    rep = v.shape[1] // k.shape[1]
+    dk = k.shape[-1]
+    qn = l2norm(q.float()).repeat_interleave(rep, 1) / math.sqrt(dk)
+    kn = l2norm(k.float()).repeat_interleave(rep, 1)
+    s = state.float().clone()
+    outs = []
+    for t in range(k.shape[0]):
+        s = s * torch.exp(g[t].float())[:, None, None]
+        kv = (s * kn[t][:, :, None]).sum(-2)
+        delta = (v[t].float() - kv) * beta[t].float()[:, None]
+        s = s + kn[t][:, :, None] * delta[:, None, :]
+        outs.append((s * qn[t][:, :, None]).sum(-2))
+    return torch.stack(outs) if outs else v.float()[:0], s
+
+
+def tree_path(parents_row, count: int, i: int):
+    """Node indices root..i (a padding row is a lone root)."""
+    path = [i]
+    while i < count and int(parents_row[i]) >= 0:
+        i = int(parents_row[i])
+        path.append(i)
+    return path[::-1]
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, state, slots, parents, num_nodes):
+    batch, n = parents.shape
+    out = torch.zeros(v.shape, dtype=torch.float32)
+    for b in range(batch):
+        for i in range(n):
+            path = tree_path(parents[b], int(num_nodes[b]), i)
+            o, _ = gated_delta_chain(q[b, path], k[b, path], v[b, path], g[b, path], beta[b, path],
+                                     state[int(slots[b])])
+            out[b, i] = o[-1]
+    return out
+
+
+def conv_chain(x, window, weight, bias, activation):
+    """Chain short conv: x [T, C] after the committed window [C, W]; y_t = act(sum_w weight[:, w]
+    * seq[t - W + 1 + w] + bias). Returns (y [T, C], new window [C, W])."""
+    width = weight.shape[1]
+    seq = torch.cat([window.float().t(), x.float()], 0)
+    ys = []
+    for t in range(x.shape[0]):
+        cols = seq[t + 1: t + 1 + width]  # the W inputs ending at token t
+        y = (cols.t() * weight.float()).sum(-1) + (bias.float() if bias is not None else 0)
+        ys.append(torch.nn.functional.silu(y) if activation else y)
+    return torch.stack(ys), seq[-width:].t()
+
+
+def tree_causal_conv1d(x, conv_state, slots, weight, bias, parents, num_nodes, activation="silu"):
+    batch, n, _ = x.shape
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for b in range(batch):
+        for i in range(n):
+            path = tree_path(parents[b], int(num_nodes[b]), i)
+            y, _ = conv_chain(x[b, path], conv_state[int(slots[b])], weight, bias, activation)
+            out[b, i] = y[-1]
+    return out
+
+
+def commit_recurrent(state, conv_state, slots, k, v, g, beta, conv_x, accepted, accept_len):
+    """New (state pool, conv pool): the chains run along each request's accepted path."""
+    state, conv_state = state.clone(), conv_state.clone()
+    for b in range(k.shape[0]):
+        path = accepted[b, : int(accept_len[b])].tolist()
+        slot = int(slots[b])
+        if not path:
+            continue
+        _, state[slot] = gated_delta_chain(k[b, path], k[b, path], v[b, path], g[b, path],
+                                           beta[b, path], state[slot])
+        window = conv_state[slot]
+        _, new_window = conv_chain(conv_x[b, path], window, torch.ones_like(window), None, False)
+        conv_state[slot] = new_window.to(conv_state.dtype)
+    return state, conv_state

@@ -1,0 +1,209 @@
+// Recurrent-state branch forking for hybrid targets (SPEC §6-§7): Gated DeltaNet and its short
+// causal convolution evaluated over a draft tree, each node as if its root->node path were the
+// sequence, and the commit of the accepted path's state.
+//
+// Memory scheme (no per-node states): nodes are visited depth-first (children in index order).
+// A node's state is the running state when it directly follows its parent in the visit order;
+// otherwise it is restored from the parent's depth slot, written when the parent (a branch point,
+// >= 2 children) was computed. A depth slot is reused only by deeper nodes of the subtree being
+// visited, so max_depth + 1 slots per (request, head) suffice, whatever the budget. The commit
+// recomputes the accepted path (<= max_depth + 1 steps) from the committed state.
+#pragma once
+
+#include "core/common.h"
+
+namespace ddtree {
+
+// ---- short causal convolution over the tree ----
+
+struct TreeConvParams {
+  const void* x = nullptr;            // [B, N, C] conv inputs
+  ElemDtype dtype = ElemDtype::kFloat32;
+  const float* weight = nullptr;      // [C, W]
+  const float* bias = nullptr;        // [C] or null
+  const void* conv_pool = nullptr;    // [P, C, W] committed windows (dtype of x)
+  const int64_t* slots = nullptr;     // [B] pool row of each request
+  const int64_t* parents = nullptr;   // [B, N]
+  const int64_t* num_nodes = nullptr; // [B]
+  int64_t batch = 0, n = 0, channels = 0, width = 0;
+  bool silu = true;
+  void* y = nullptr;                  // [B, N, C] (dtype of x)
+};
+
+constexpr int kMaxConvWidth = 8;
+
+// Nodes of the window ending at node i: anc[W-1] = i, anc[W-2] = parent, ...; -1 above the root
+// (those positions read the committed window). Returns how many are tree nodes.
+DDTREE_HOST_DEVICE int conv_window_nodes(const int64_t* parents, int64_t count, int64_t i,
+                                         int width, int64_t* anc) {
+  int have = 0;
+  int64_t node = i;
+  for (int w = width - 1; w >= 0; --w) {
+    anc[w] = node;
+    if (node >= 0) {
+      ++have;
+      const int64_t p = node < count ? parents[node] : -1;
+      node = (p >= 0 && p < node) ? p : -1;
+    }
+  }
+  return have;
+}
+
+DDTREE_HOST_DEVICE float silu(float v) { return v / (1.f + expf(-v)); }
+
+// Output of channel c at node i of request b (window from conv_window_nodes).
+DDTREE_HOST_DEVICE float tree_conv_value(const TreeConvParams& p, int64_t b, int64_t c,
+                                         const int64_t* anc, int have) {
+  const int W = static_cast<int>(p.width);
+  const int from_state = W - have;  // window[t] = committed[have + t] for t < from_state
+  const int64_t pool_row = (p.slots[b] * p.channels + c) * p.width;
+  float acc = p.bias ? p.bias[c] : 0.f;
+  for (int w = 0; w < W; ++w) {
+    const float in = w < from_state ? load_elem(p.conv_pool, p.dtype, pool_row + have + w)
+                                    : load_elem(p.x, p.dtype, (b * p.n + anc[w]) * p.channels + c);
+    acc += p.weight[c * W + w] * in;
+  }
+  return p.silu ? silu(acc) : acc;
+}
+
+// ---- gated delta rule over the tree ----
+
+struct TreeGdnParams {
+  const void* q = nullptr;            // [B, N, Hk, Dk]
+  const void* k = nullptr;            // [B, N, Hk, Dk]
+  const void* v = nullptr;            // [B, N, Hv, Dv]
+  ElemDtype dtype = ElemDtype::kFloat32;
+  const float* g = nullptr;           // [B, N, Hv] log decay
+  const float* beta = nullptr;        // [B, N, Hv]
+  float* state_pool = nullptr;        // [P, Hv, Dk, Dv] committed states (read; written by commit)
+  const int64_t* slots = nullptr;     // [B]
+  const int64_t* parents = nullptr;   // [B, N]
+  const int64_t* num_nodes = nullptr; // [B]
+  int64_t batch = 0, n = 0, hk = 0, hv = 0, dk = 0, dv = 0;
+  int64_t max_depth = 0;              // depth slots: max_depth + 1
+  float* scratch = nullptr;           // [B, Hv, max_depth + 1, Dv, Dk] saved branch-point states
+  void* out = nullptr;                // [B, N, Hv, Dv] (dtype of v)
+  // commit only:
+  const int64_t* accepted = nullptr;  // [B, A]
+  const int64_t* accept_len = nullptr;
+  int64_t width = 0;
+};
+
+// Bytes of gdn_schedule's arrays for n rows (int32 x 5 + uint8), rounded up to 16.
+DDTREE_HOST_DEVICE int64_t gdn_schedule_bytes(int64_t n) { return ((n * 21 + 15) / 16) * 16; }
+
+// Visit flags of the depth-first schedule.
+constexpr uint8_t kVisitFromPool = 1;    // start from the committed state (a root)
+constexpr uint8_t kVisitRestore = 2;     // restore the parent's depth slot first
+constexpr uint8_t kVisitSave = 4;        // save the state after the step (>= 2 children)
+
+// Depth-first visit order of request b's rows (rows past num_nodes are lone roots), with each
+// visit's flags and the slot it restores from / saves to. Scratch arrays have n entries.
+DDTREE_HOST_DEVICE int64_t schedule_parent(const int64_t* parents, int64_t count, int64_t i) {
+  const int64_t p = i < count ? parents[i] : -1;
+  return (p >= 0 && p < i) ? p : -1;
+}
+
+DDTREE_HOST_DEVICE void gdn_schedule(const int64_t* parents, int64_t count, int64_t n,
+                                     int32_t* first_child, int32_t* next_sibling, int32_t* depth,
+                                     int32_t* order, uint8_t* flags, int32_t* slot) {
+  for (int64_t i = 0; i < n; ++i) first_child[i] = next_sibling[i] = -1;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const int64_t p = schedule_parent(parents, count, i);
+    if (p >= 0) {
+      next_sibling[i] = first_child[p];
+      first_child[p] = static_cast<int32_t>(i);
+    }
+  }
+  int64_t at = 0;
+  for (int64_t root = 0; root < n; ++root) {
+    if (schedule_parent(parents, count, root) >= 0) continue;
+    int64_t cur = root;
+    int64_t prev = -1;
+    for (;;) {
+      const int64_t p = schedule_parent(parents, count, cur);
+      depth[cur] = p >= 0 ? depth[p] + 1 : 0;
+      uint8_t f = 0;
+      if (p < 0) f |= kVisitFromPool;
+      else if (prev != p) f |= kVisitRestore;
+      if (first_child[cur] >= 0 && next_sibling[first_child[cur]] >= 0) f |= kVisitSave;
+      order[at] = static_cast<int32_t>(cur);
+      flags[at] = f;
+      slot[at] = p >= 0 ? depth[p] : 0;
+      ++at;
+      prev = cur;
+      if (first_child[cur] >= 0) {
+        cur = first_child[cur];
+        continue;
+      }
+      while (cur != root && next_sibling[cur] < 0) cur = schedule_parent(parents, count, cur);
+      if (cur == root) break;
+      cur = next_sibling[cur];
+    }
+  }
+}
+
+// l2-normalised key / query of (b, i, v-head h): k / sqrt(sum k^2 + 1e-6), and q likewise and
+// divided by sqrt(Dk) (transformers' torch_recurrent_gated_delta_rule with qk l2norm).
+DDTREE_HOST_DEVICE void gdn_load_qk(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h,
+                                    float* qn, float* kn) {
+  const int64_t kh = h / (p.hv / p.hk);
+  const int64_t base = ((b * p.n + i) * p.hk + kh) * p.dk;
+  float sq = 0.f, sk = 0.f;
+  for (int64_t d = 0; d < p.dk; ++d) {
+    kn[d] = load_elem(p.k, p.dtype, base + d);
+    sk += kn[d] * kn[d];
+    if (qn) {
+      qn[d] = load_elem(p.q, p.dtype, base + d);
+      sq += qn[d] * qn[d];
+    }
+  }
+  const float rk = 1.f / sqrtf(sk + 1e-6f);
+  const float rq = qn ? 1.f / sqrtf(sq + 1e-6f) / sqrtf(static_cast<float>(p.dk)) : 0.f;
+  for (int64_t d = 0; d < p.dk; ++d) {
+    kn[d] *= rk;
+    if (qn) qn[d] *= rq;
+  }
+}
+
+// One step of one state column S[:, dv] (Dk floats): decay, delta-rule update with the value
+// v_dv, output S[:, dv] . q (when q is given).
+DDTREE_HOST_DEVICE float gdn_column_step(float* col, int64_t dk, const float* kn, const float* qn,
+                                         float v_dv, float g, float beta) {
+  const float decay = expf(g);
+  float kv = 0.f;
+  for (int64_t d = 0; d < dk; ++d) {
+    col[d] *= decay;
+    kv += col[d] * kn[d];
+  }
+  const float delta = (v_dv - kv) * beta;
+  float o = 0.f;
+  for (int64_t d = 0; d < dk; ++d) {
+    col[d] += kn[d] * delta;
+    if (qn) o += col[d] * qn[d];
+  }
+  return o;
+}
+
+DDTREE_HOST_DEVICE int64_t gdn_pool_column(const TreeGdnParams& p, int64_t b, int64_t h,
+                                           int64_t d_k, int64_t d_v) {
+  return ((p.slots[b] * p.hv + h) * p.dk + d_k) * p.dv + d_v;
+}
+
+DDTREE_HOST_DEVICE int64_t gdn_scratch_column(const TreeGdnParams& p, int64_t b, int64_t h,
+                                              int64_t slot, int64_t d_v) {
+  return (((b * p.hv + h) * (p.max_depth + 1) + slot) * p.dv + d_v) * p.dk;
+}
+
+DDTREE_HOST_DEVICE int64_t gdn_token(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h) {
+  return (b * p.n + i) * p.hv + h;
+}
+
+// commit_recurrent_: the GDN states (gdn.accepted / accept_len / width set) and the conv windows
+// (conv.conv_pool, written in place) of each request move along its accepted path.
+struct CommitRecurrentParams {
+  TreeGdnParams gdn;
+  TreeConvParams conv;
+};
+
+}  // namespace ddtree
