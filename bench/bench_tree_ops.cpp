@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "bench/bench_tree_ops_inputs.h"
+#include "cpu/recurrent.h"
 #include "cpu/tree_ops.h"
 #include "cpu/tree_sample.h"
 #include "cpu/tree_topk.h"
@@ -128,6 +129,23 @@ int main() {
           return fail("commit_kv_");
     const double us = median_us([&] { cpu::commit_kv_slices(p, 0, B * H); }, 21);
     std::printf("commit_kv_: %8.2f us (%.1f GB/s moved)\n", us, 2.0 * B * H * (A - 1) * D * 2 / us / 1e3);
+  }
+  std::printf("\n== tree_gated_delta_rule / tree_causal_conv1d (budget 64, Dk = Dv = 128, W = 4) ==\n");
+  {
+    RecurrentInputs r = recurrent_inputs(8, 8192);
+    TreeGdnParams g = gdn_params(r);
+    cpu::tree_gdn_heads(g, 0, r.hv);
+    const std::vector<float> first = r.out;
+    cpu::tree_gdn_heads(g, 0, r.hv);
+    if (first != r.out) return fail("tree_gated_delta_rule (not deterministic)");
+    const double us = median_us([&] { cpu::tree_gdn_heads(g, 0, r.hv); }, 5);
+    std::printf("tree_gated_delta_rule Hv=%lld, %lld nodes (depth %lld): %9.1f us (%.2f GFLOP/s)\n",
+                static_cast<long long>(r.hv), static_cast<long long>(r.n),
+                static_cast<long long>(r.depth), us, 4.0 * r.n * r.hv * r.dk * r.dv / us / 1e3);
+    TreeConvParams c = conv_params(r);
+    cpu::tree_conv_rows(c, 0, r.n);
+    const double us_c = median_us([&] { cpu::tree_conv_rows(c, 0, r.n); }, 11);
+    std::printf("tree_causal_conv1d C=%lld: %9.1f us\n", static_cast<long long>(r.channels), us_c);
   }
   return 0;
 }

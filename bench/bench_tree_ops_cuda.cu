@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "bench/bench_tree_ops_inputs.h"
+#include "cpu/recurrent.h"
 #include "cpu/tree_ops.h"
 #include "cpu/tree_sample.h"
 #include "cpu/tree_topk.h"
@@ -192,6 +193,48 @@ int main() {
     if (gpu::launch_commit_kv(g, nullptr) != 0) return fail("commit_kv launch");
     if (download(static_cast<uint16_t*>(g.cache), cache.size()) != cache) return fail("commit_kv_");
     std::printf("commit_kv_: %8.2f us\n", time_us([&] { gpu::launch_commit_kv(g, nullptr); }));
+  }
+  std::printf("\n== tree_gated_delta_rule / tree_causal_conv1d (budget 64, Dk = Dv = 128, W = 4) ==\n");
+  {
+    RecurrentInputs r = recurrent_inputs(32, 8192);
+    TreeGdnParams p = gdn_params(r);
+    cpu::tree_gdn_heads(p, 0, r.hv);
+    TreeGdnParams g = p;
+    g.q = upload(r.q);
+    g.k = upload(r.k);
+    g.v = upload(r.v);
+    g.g = upload(r.g);
+    g.beta = upload(r.beta);
+    g.state_pool = upload(r.state);
+    g.slots = upload(r.slots);
+    g.parents = upload(r.tree.parents);
+    g.num_nodes = upload(r.tree.num_nodes);
+    g.scratch = upload(r.scratch);
+    float* d_out = upload(r.out);
+    g.out = d_out;
+    if (gpu::launch_tree_gdn(g, nullptr) != 0) return fail("tree_gdn launch");
+    const std::vector<float> out = download(d_out, r.out.size());
+    for (size_t i = 0; i < out.size(); ++i)
+      if (std::fabs(out[i] - r.out[i]) > 1e-3f * (1.f + std::fabs(r.out[i]))) return fail("tree_gated_delta_rule");
+    const double us = time_us([&] { gpu::launch_tree_gdn(g, nullptr); }, 20);
+    std::printf("tree_gated_delta_rule Hv=32: %8.1f us (%.1f GB/s state traffic)\n", us,
+                2.0 * r.n * r.hv * r.dk * r.dv * 4 / us / 1e3);
+    TreeConvParams c = conv_params(r);
+    cpu::tree_conv_rows(c, 0, r.n);
+    TreeConvParams gc = c;
+    gc.x = upload(r.x);
+    gc.weight = upload(r.weight);
+    gc.conv_pool = upload(r.conv_pool);
+    gc.slots = g.slots;
+    gc.parents = g.parents;
+    gc.num_nodes = g.num_nodes;
+    float* d_y = upload(r.y);
+    gc.y = d_y;
+    if (gpu::launch_tree_conv(gc, nullptr) != 0) return fail("tree_conv launch");
+    const std::vector<float> y = download(d_y, r.y.size());
+    for (size_t i = 0; i < y.size(); ++i)
+      if (std::fabs(y[i] - r.y[i]) > 1e-4f * (1.f + std::fabs(r.y[i]))) return fail("tree_causal_conv1d");
+    std::printf("tree_causal_conv1d C=8192: %8.1f us\n", time_us([&] { gpu::launch_tree_conv(gc, nullptr); }));
   }
   return 0;
 }

@@ -6,6 +6,7 @@
 
 #include "bench/bench_common.h"
 #include "core/kv_commit.h"
+#include "core/recurrent.h"
 #include "core/tree_build.h"
 #include "core/tree_sample.h"
 #include "core/tree_topk.h"
@@ -119,6 +120,83 @@ inline CommitKvParams commit_params(int64_t B, int64_t H, int64_t S, int64_t D, 
   p.stride_h = S * D;
   p.stride_s = D;
   p.width = A;
+  return p;
+}
+
+// A budget-64 draft tree and GDN / conv inputs over it (Qwen3.5-like sizes).
+struct RecurrentInputs {
+  int64_t n, hk, hv, dk, dv, channels, width, depth;
+  TreeOutputs tree;
+  std::vector<float> q, k, v, g, beta, state, x, conv_pool, weight, scratch, out, y;
+  std::vector<int64_t> slots;
+};
+
+inline RecurrentInputs recurrent_inputs(int64_t hv, int64_t channels) {
+  const int64_t budget = 64, n = budget + 1, hk = hv / 2, dk = 128, dv = 128, W = 4;
+  DraftTopk d = random_topk(1, 15, 8, 3);
+  RecurrentInputs r{n, hk, hv, dk, dv, channels, W, 0, TreeOutputs(1, n), {}, {}, {}, {}, {}, {}, {},
+                    {}, {}, {}, {}, {}, {0}};
+  BuildTreeParams p = build_params(d, budget, r.tree);
+  build_tree_request(p, 0, TreeBuildScratch{std::vector<TreeCandidate>(n).data(),
+                                            std::vector<int32_t>(n).data(),
+                                            std::vector<int16_t>(n).data()});
+  for (int64_t i = 0; i < n; ++i) r.depth = std::max(r.depth, r.tree.depths[i]);
+  auto fill = [](std::vector<float>& v, size_t size, uint64_t seed, float lo, float hi) {
+    Rng rng(seed);
+    v.resize(size);
+    for (float& e : v) e = lo + (hi - lo) * static_cast<float>(rng.below(1 << 20)) / (1 << 20);
+  };
+  fill(r.q, n * hk * dk, 1, -1, 1);
+  fill(r.k, n * hk * dk, 2, -1, 1);
+  fill(r.v, n * hv * dv, 3, -1, 1);
+  fill(r.g, n * hv, 4, -1, 0);
+  fill(r.beta, n * hv, 5, 0, 1);
+  fill(r.state, hv * dk * dv, 6, -1, 1);
+  fill(r.x, n * channels, 7, -1, 1);
+  fill(r.conv_pool, channels * W, 8, -1, 1);
+  fill(r.weight, channels * W, 9, -1, 1);
+  r.scratch.resize((r.depth + 1) * hv * dk * dv);
+  r.out.resize(n * hv * dv);
+  r.y.resize(n * channels);
+  return r;
+}
+
+inline TreeGdnParams gdn_params(RecurrentInputs& r) {
+  TreeGdnParams p;
+  p.q = r.q.data();
+  p.k = r.k.data();
+  p.v = r.v.data();
+  p.g = r.g.data();
+  p.beta = r.beta.data();
+  p.state_pool = r.state.data();
+  p.slots = r.slots.data();
+  p.parents = r.tree.parents.data();
+  p.num_nodes = r.tree.num_nodes.data();
+  p.batch = 1;
+  p.n = r.n;
+  p.hk = r.hk;
+  p.hv = r.hv;
+  p.dk = r.dk;
+  p.dv = r.dv;
+  p.max_depth = r.depth;
+  p.scratch = r.scratch.data();
+  p.out = r.out.data();
+  return p;
+}
+
+inline TreeConvParams conv_params(RecurrentInputs& r) {
+  TreeConvParams p;
+  p.x = r.x.data();
+  p.weight = r.weight.data();
+  p.conv_pool = r.conv_pool.data();
+  p.slots = r.slots.data();
+  p.parents = r.tree.parents.data();
+  p.num_nodes = r.tree.num_nodes.data();
+  p.batch = 1;
+  p.n = r.n;
+  p.channels = r.channels;
+  p.width = r.width;
+  p.y = r.y.data();
   return p;
 }
 
