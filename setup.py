@@ -128,7 +128,7 @@ setup(
     version=version,
     description="Tree speculative decoding for block-diffusion drafters (DDTree) as torch ops",
     package_dir={"": "python"},
-    packages=["ddtree"],
+    packages=["ddtree", "ddtree.models"],
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",

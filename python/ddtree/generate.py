@@ -1,0 +1,178 @@
+"""The speculative loop over Hugging Face targets (SPEC §1): the drafter proposes a block, DDTree
+turns it into the optimal draft tree, the target verifies the whole tree in one forward pass, the
+accepted path is committed.
+
+Supported now: dense decoder targets whose attention takes a 4-D additive mask through
+transformers' standard masking path (Qwen3, Qwen2, Llama, Mistral), batch 1, greedy and sampling.
+Host synchronisation inside a round: reading the accepted length to crop the KV cache and to
+stream / stop (one `.tolist()` per round).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+
+from . import ops
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+MODES = ("tree", "chain", "autoregressive")
+
+
+@dataclass
+class GenerationResult:
+    tokens: List[int]                      # generated tokens, prompt excluded
+    acceptance_lengths: List[int]          # tokens emitted per round (accepted + bonus)
+    seconds: float
+    stage_seconds: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward (acceptance length, bonus included)."""
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _check_target(target) -> None:
+    model_type = getattr(target.config, "model_type", None)
+    if model_type in HYBRID_MODEL_TYPES:
+        raise NotImplementedError(
+            f"generate: hybrid target '{model_type}' (Gated DeltaNet layers) is not wired into the "
+            "loop yet; the recurrent ops exist (tree_gated_delta_rule, tree_causal_conv1d, "
+            "commit_recurrent_)")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"generate: unsupported target architecture '{model_type}'; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+class _Sampler:
+    """Greedy or lossless sampling over a tree's target logits (verify_greedy / verify_sample)."""
+
+    def __init__(self, temperature, top_k, top_p, seed, depth):
+        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.depth = depth
+        self.offset = 0
+
+    def verify(self, tree: ops.DraftTree, logits: torch.Tensor) -> ops.GreedyVerdict:
+        if self.temperature <= 0:
+            return ops.verify_greedy(tree, logits.argmax(-1), self.depth)
+        self.offset += 1
+        return ops.verify_sample(tree, logits.float(), self.depth, self.temperature, self.top_k,
+                                 self.top_p, self.seed, self.offset)
+
+
+def _root_only_tree(token: torch.Tensor) -> ops.DraftTree:
+    z = torch.zeros(1, 1, dtype=torch.long, device=token.device)
+    return ops.DraftTree(token.view(1, 1).long(), z - 1, z, z - 1, z - 1,
+                         torch.ones(1, dtype=torch.long, device=token.device))
+
+
+@torch.no_grad()
+def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode: str = "tree",
+             budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             stop_token_ids: Iterable[int] = (), seed: int = 0,
+             streamer: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
+    """Generates up to max_new_tokens after input_ids [1, P]. At temperature 0 the tokens equal the
+    target's own greedy decoding; at temperature > 0 they are distributed as the target's sampling
+    (temperature, top-k, top-p). mode "chain" verifies DFlash's single chain (K = 1), "tree" the
+    optimal tree of `budget` nodes, "autoregressive" runs the target alone."""
+    if mode not in MODES:
+        raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"generate: input_ids must be a non-empty [1, P] prompt, got shape "
+                         f"{tuple(input_ids.shape)}")
+    if input_ids.shape[0] != 1:
+        raise NotImplementedError("generate: batch > 1 is not supported yet (run one prompt per call)")
+    if budget < 0:
+        raise ValueError(f"generate: budget must be >= 0, got {budget}")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_target(target)
+    if mode != "autoregressive":
+        if drafter is None:
+            raise ValueError(f"generate: mode '{mode}' needs a drafter")
+        check = getattr(drafter, "check_target", None)
+        if check is not None:
+            check(target)
+    from transformers import DynamicCache
+
+    stops = set(int(t) for t in stop_token_ids)
+    depth = drafter.block_size - 1 if drafter is not None else 0
+    sampler = _Sampler(temperature, top_k, top_p, seed, depth)
+    stages = dict(draft=0.0, tree=0.0, verify=0.0, commit=0.0)
+    started = time.perf_counter()
+    device = input_ids.device
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                 output_hidden_states=mode != "autoregressive")
+    first = sampler.verify(_root_only_tree(input_ids[0, -1]), out.logits[:, -1:]).bonus
+    tokens: List[int] = [int(first[0])]
+    lengths: List[int] = []
+    if streamer:
+        streamer(list(tokens))
+    past = input_ids.shape[1]
+    bonus = first
+    draft_cache = drafter.new_cache() if mode != "autoregressive" else None
+    features = drafter.target_features(out.hidden_states) if mode != "autoregressive" else None
+
+    def done() -> bool:
+        return len(tokens) >= max_new_tokens or any(t in stops for t in tokens)
+
+    while not done():
+        if mode == "autoregressive":
+            t0 = time.perf_counter()
+            pos = torch.full((1, 1), past, device=device)
+            out = target(input_ids=bonus.view(1, 1), position_ids=pos, past_key_values=cache,
+                         use_cache=True)
+            bonus = sampler.verify(_root_only_tree(bonus), out.logits).bonus
+            stages["verify"] += time.perf_counter() - t0
+            past += 1
+            new = [int(bonus[0])]
+        else:
+            t0 = time.perf_counter()
+            draft_logits = drafter.propose(target, bonus, features, draft_cache)
+            t1 = time.perf_counter()
+            if mode == "chain":
+                tree, vis = ops.draft_to_tree(draft_logits, bonus, depth, start=past, k=1)
+            else:
+                tree, vis = ops.draft_to_tree(draft_logits, bonus, budget, start=past)
+            dtype = target.get_input_embeddings().weight.dtype
+            mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past, dtype)
+            t2 = time.perf_counter()
+            out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
+                         attention_mask=mask, past_key_values=cache, use_cache=True,
+                         output_hidden_states=True)
+            verdict = sampler.verify(tree, out.logits)
+            t3 = time.perf_counter()
+            accepted = int(verdict.accept_len[0])
+            past_t = torch.full((1,), past, dtype=torch.long, device=device)
+            for layer in cache.layers:
+                ops.commit_kv_(layer.keys, past_t, verdict.accepted, verdict.accept_len)
+                ops.commit_kv_(layer.values, past_t, verdict.accepted, verdict.accept_len)
+            cache.crop(past + accepted)
+            path = verdict.accepted[0, :accepted]
+            features = drafter.target_features(out.hidden_states)[:, path]
+            past += accepted
+            bonus = verdict.bonus
+            new = tree.node_tokens[0, path[1:]].tolist() + [int(bonus[0])]
+            t4 = time.perf_counter()
+            stages["draft"] += t1 - t0
+            stages["tree"] += t2 - t1
+            stages["verify"] += t3 - t2
+            stages["commit"] += t4 - t3
+        lengths.append(len(new))
+        tokens.extend(new)
+        if streamer:
+            streamer(new)
+    for i, t in enumerate(tokens):  # stop inside an accepted path: drop what follows it
+        if t in stops:
+            tokens = tokens[: i + 1]
+            break
+    tokens = tokens[:max_new_tokens]
+    return GenerationResult(tokens, lengths, time.perf_counter() - started, stages)

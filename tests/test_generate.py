@@ -1,0 +1,205 @@
+"""The speculative loop: lossless at temperature 0 (fp32, CPU) against the target's own greedy
+decoding, for tree / chain / autoregressive modes, with random and with 'oracle' drafters (long
+acceptances, deep commits); stop tokens inside accepted paths; the DFlash checkpoint format; bad
+input."""
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import ddtree  # noqa: E402
+from ddtree.generate import generate  # noqa: E402
+from ddtree.models import DFlashDrafter, dflash_config  # noqa: E402
+
+VOCAB, HIDDEN, LAYERS = 96, 64, 4
+
+
+def tiny_target(kind="qwen3", seed=0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                  max_position_embeddings=512)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    for p in model.parameters():  # sharper logits than the default init: fewer near-ties
+        p.data.mul_(3.0)
+    return model.eval()
+
+
+def tiny_drafter(block_size=8, seed=1, layer_ids=None):
+    torch.manual_seed(seed)
+    extra = {"mask_token_id": VOCAB - 1}
+    if layer_ids is not None:
+        extra["target_layer_ids"] = layer_ids
+    cfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=128, block_size=block_size,
+                             num_target_layers=LAYERS, dflash_config=extra))
+    return DFlashDrafter(cfg).eval()
+
+
+def greedy_reference(target, ids, n):
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+class OracleDrafter:
+    """Proposes the target's true continuation at each depth with probability `hit`, a random
+    wrong token otherwise, plus noise so that the tree has alternatives: long partial acceptances
+    through the tree, deep commits."""
+
+    def __init__(self, truth, prompt_len, block_size=8, hit=0.8, seed=0):
+        self.truth, self.prompt_len, self.block_size = truth, prompt_len, block_size
+        self.g = torch.Generator().manual_seed(seed)
+        self.hit = hit
+        self.emitted = 1  # the prefill's bonus
+
+    def new_cache(self):
+        return {"length": 0}
+
+    def target_features(self, hidden_states):
+        return hidden_states[-1]
+
+    def propose(self, target, bonus, features, cache):
+        cache["length"] += features.shape[1]
+        start = cache["length"] - self.prompt_len  # index in truth of the bonus token
+        logits = torch.randn(1, self.block_size - 1, VOCAB, generator=self.g)
+        for j in range(self.block_size - 1):
+            at = start + 1 + j
+            if at < len(self.truth) and torch.rand(1, generator=self.g).item() < self.hit:
+                logits[0, j, self.truth[at]] += 6.0
+        return logits
+
+
+PROMPTS = [[5, 17, 42], [1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
+def test_lossless_with_the_dflash_drafter(kind, mode):
+    target = tiny_target(kind)
+    drafter = tiny_drafter()
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        for n in (1, 2, 9, 24):
+            expected = greedy_reference(target, ids, n)
+            got = generate(target, drafter, ids, n, mode=mode, budget=16)
+            assert got.tokens == expected, (prompt, n)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("budget", [8, 32])
+def test_lossless_with_long_acceptances(kind, budget):
+    target = tiny_target(kind, seed=3)
+    for p, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        truth = greedy_reference(target, ids, 60)
+        drafter = OracleDrafter(truth, len(prompt), seed=p)
+        got = generate(target, drafter, ids, 60, mode="tree", budget=budget)
+        assert got.tokens == truth
+        assert got.tau > 2.5, got.acceptance_lengths  # deep paths were accepted and committed
+        chain = generate(target, OracleDrafter(truth, len(prompt), seed=p), ids, 60, mode="chain")
+        assert chain.tokens == truth
+
+
+def test_stop_token_inside_an_accepted_path():
+    target = tiny_target(seed=3)
+    ids = torch.tensor([PROMPTS[0]])
+    truth = greedy_reference(target, ids, 40)
+    stop = truth[12]
+    cut = truth.index(stop) + 1
+    got = generate(target, OracleDrafter(truth, 3, hit=1.0), ids, 40, stop_token_ids=[stop])
+    assert got.tokens == truth[:cut]
+
+
+def test_streaming_and_statistics():
+    target = tiny_target(seed=3)
+    ids = torch.tensor([PROMPTS[2]])
+    truth = greedy_reference(target, ids, 30)
+    streamed = []
+    got = generate(target, OracleDrafter(truth, len(PROMPTS[2])), ids, 30, streamer=streamed.extend)
+    assert streamed[: len(got.tokens)] == got.tokens == truth
+    assert sum(got.acceptance_lengths) + 1 >= len(got.tokens)
+    assert set(got.stage_seconds) == {"draft", "tree", "verify", "commit"}
+    assert got.tokens_per_second > 0
+
+
+def test_sampling_mode_runs_and_is_reproducible():
+    target = tiny_target()
+    drafter = tiny_drafter()
+    ids = torch.tensor([PROMPTS[0]])
+    a = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4)
+    b = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4)
+    assert a.tokens == b.tokens and len(a.tokens) == 12
+
+
+# ---- the DFlash checkpoint format ----
+
+def test_drafter_checkpoint_round_trip(tmp_path):
+    drafter = tiny_drafter()
+    drafter.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["block_size"] == 8 and config["num_target_layers"] == LAYERS
+    assert config["dflash_config"]["mask_token_id"] == VOCAB - 1
+    from safetensors.torch import load_file, save_file
+
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"} <= keys
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    loaded = DFlashDrafter.from_pretrained(str(tmp_path))
+    for (k, v), (k2, v2) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    # Exports with a "model." prefix load too.
+    state = load_file(str(tmp_path / "model.safetensors"))
+    os.remove(tmp_path / "model.safetensors")
+    save_file({"model." + k: v for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    prefixed = DFlashDrafter.from_pretrained(str(tmp_path))
+    assert torch.equal(prefixed.fc.weight, drafter.fc.weight)
+
+
+def test_default_target_layer_ids():
+    assert ddtree.models.default_target_layer_ids(36, 1) == [18]
+    assert ddtree.models.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert tiny_drafter().target_layer_ids == [LAYERS // 2]
+
+
+def test_drafter_target_mismatch_is_reported():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="drafter hidden_size 32 != target hidden_size 64"):
+        cfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 intermediate_size=64, num_target_layers=LAYERS,
+                                 dflash_config={"mask_token_id": 1}))
+        DFlashDrafter(cfg).check_target(target)
+    bad_mask = tiny_drafter()
+    bad_mask.mask_token_id = VOCAB + 5
+    with pytest.raises(ValueError, match="mask_token_id 101 is outside the target vocabulary"):
+        generate(target, bad_mask, torch.tensor([[1, 2]]), 4)
+    with pytest.raises(ValueError, match="feature layers"):
+        tiny_drafter(layer_ids=[9]).check_target(target)
+    with pytest.raises(ValueError, match="mask_token_id is required"):
+        dflash_config(dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_target_layers=4))
+
+
+def test_bad_input():
+    target, drafter = tiny_target(), tiny_drafter()
+    with pytest.raises(ValueError, match="non-empty"):
+        generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        generate(target, drafter, torch.tensor([[1]]), 4, budget=-1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        generate(target, drafter, torch.tensor([[1]]), 4, mode="beam")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(target, None, torch.tensor([[1]]), 4, mode="tree")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4))
+    with pytest.raises(ValueError, match="unsupported target architecture 'gpt2'"):
+        generate(gpt2, drafter, torch.tensor([[1]]), 4)
