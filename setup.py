@@ -132,5 +132,6 @@ setup(
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy", "safetensors"],
+    entry_points={"console_scripts": ["ddtree=ddtree.cli:main"]},
+    install_requires=["torch>=2.4", "numpy", "safetensors", "transformers>=5.2"],
 )

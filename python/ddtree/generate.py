@@ -155,7 +155,9 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
             for layer in cache.layers:
                 ops.commit_kv_(layer.keys, past_t, verdict.accepted, verdict.accept_len)
                 ops.commit_kv_(layer.values, past_t, verdict.accepted, verdict.accept_len)
-            cache.crop(past + accepted)
+            surplus = tree.node_tokens.shape[1] - accepted  # tree rows beyond the accepted path
+            if surplus > 0:
+                cache.crop(-surplus)
             path = verdict.accepted[0, :accepted]
             features = drafter.target_features(out.hidden_states)[:, path]
             past += accepted

@@ -1,0 +1,153 @@
+"""`ddtree generate` and `ddtree bench` (also `python -m ddtree.cli ...`).
+
+  ddtree generate --target DIR --draft DIR --prompt TEXT [--mode tree|chain|autoregressive]
+                  [--budget 64] [--max-new-tokens 128] [--temperature 0] [--top-k 0] [--top-p 1]
+  ddtree bench --target DIR --draft DIR --prompts FILE [--budget 64] [--plot out.png] [--json F]
+
+Local directories in Hugging Face format; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _load(args):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import DFlashDrafter
+
+    dtype = DTYPES[args.dtype]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    drafter = DFlashDrafter.from_pretrained(args.draft, dtype=dtype).to(device) if args.draft else None
+    return target, tokenizer, drafter, device
+
+
+def _encode(tokenizer, text: str, device) -> torch.Tensor:
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise SystemExit("ddtree: the prompt encodes to no tokens")
+    return ids.to(device)
+
+
+def _stop_ids(tokenizer) -> List[int]:
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def cmd_generate(args) -> int:
+    from .generate import generate
+
+    target, tokenizer, drafter, device = _load(args)
+    ids = _encode(tokenizer, args.prompt, device)
+    printed = []
+
+    def stream(new):
+        printed.extend(new)
+        sys.stdout.write(tokenizer.decode(new))
+        sys.stdout.flush()
+
+    result = generate(target, drafter, ids, args.max_new_tokens, mode=args.mode, budget=args.budget,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      stop_token_ids=_stop_ids(tokenizer), seed=args.seed, streamer=stream)
+    print(f"\n[ddtree] mode={args.mode} tokens={len(result.tokens)} tau={result.tau:.2f} "
+          f"tokens/s={result.tokens_per_second:.1f}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .generate import generate
+
+    target, tokenizer, drafter, device = _load(args)
+    with open(args.prompts) as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise SystemExit(f"ddtree bench: no prompts in {args.prompts}")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bars are optional
+        def tqdm(x, **_):
+            return x
+    rows = []
+    reference = {}
+    for mode in ("autoregressive", "chain", "tree"):
+        tokens = seconds = 0.0
+        rounds = []
+        for i, prompt in enumerate(tqdm(prompts, desc=mode, file=sys.stderr)):
+            ids = _encode(tokenizer, prompt, device)
+            r = generate(target, drafter, ids, args.max_new_tokens, mode=mode, budget=args.budget,
+                         stop_token_ids=_stop_ids(tokenizer))
+            if mode == "autoregressive":
+                reference[i] = r.tokens
+            elif r.tokens != reference[i]:
+                raise SystemExit(f"ddtree bench: {mode} output differs from autoregressive on "
+                                 f"prompt {i} (lossless violated)")
+            tokens += len(r.tokens)
+            seconds += r.seconds
+            rounds += r.acceptance_lengths
+        rows.append(dict(mode=mode, tokens=int(tokens), seconds=seconds,
+                         tokens_per_second=tokens / seconds, tau=sum(rounds) / max(1, len(rounds))))
+    base = rows[0]["tokens_per_second"]
+    print(f"{'mode':<15} {'tau':>6} {'tokens/s':>10} {'speed-up':>9}")
+    for r in rows:
+        r["speedup"] = r["tokens_per_second"] / base
+        print(f"{r['mode']:<15} {r['tau']:>6.2f} {r['tokens_per_second']:>10.1f} {r['speedup']:>8.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.bar([r["mode"] for r in rows], [r["tokens_per_second"] for r in rows])
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"ddtree, budget {args.budget}")
+        fig.tight_layout()
+        fig.savefig(args.plot)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("generate", "bench"):
+        p = sub.add_parser(name)
+        p.add_argument("--target", required=True, help="target model directory (HF format)")
+        p.add_argument("--draft", required=name == "bench", help="DFlash drafter directory")
+        p.add_argument("--budget", type=int, default=64)
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+        p.add_argument("--device", default=None)
+        if name == "generate":
+            p.add_argument("--prompt", required=True)
+            p.add_argument("--mode", choices=("tree", "chain", "autoregressive"), default="tree")
+            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--top-k", type=int, default=0)
+            p.add_argument("--top-p", type=float, default=1.0)
+            p.add_argument("--seed", type=int, default=0)
+        else:
+            p.add_argument("--prompts", required=True, help="text file, one prompt per line")
+            p.add_argument("--plot", default=None, help="write a bar chart (PNG)")
+            p.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "generate" and args.mode != "autoregressive" and not args.draft:
+        parser.error("--draft is required unless --mode autoregressive")
+    return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

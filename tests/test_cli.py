@@ -1,0 +1,55 @@
+"""`ddtree generate` / `ddtree bench` on a tiny model saved in Hugging Face format."""
+import json
+
+import pytest
+import torch
+
+from ddtree import cli
+from test_generate import VOCAB, tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_target()
+    target.save_pretrained(str(root / "target"))
+    vocab = {f"w{i}": i for i in range(VOCAB - 2)}
+    vocab["<unk>"] = VOCAB - 2
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    fast.save_pretrained(str(root / "target"))
+    tiny_drafter().save_pretrained(str(root / "draft"))
+    return root
+
+
+def test_generate_streams_text_and_summary(model_dirs, capsys):
+    rc = cli.main(["generate", "--target", str(model_dirs / "target"), "--draft",
+                   str(model_dirs / "draft"), "--prompt", "w5 w17 w42", "--max-new-tokens", "12",
+                   "--budget", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "[ddtree] mode=tree tokens=12 tau=" in out
+    assert out.split("\n")[0].strip().startswith("w")
+
+
+def test_bench_compares_modes_and_plots(model_dirs, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3\nw9 w8\n")
+    rc = cli.main(["bench", "--target", str(model_dirs / "target"), "--draft",
+                   str(model_dirs / "draft"), "--prompts", str(prompts), "--max-new-tokens", "10",
+                   "--budget", "8", "--json", str(tmp_path / "b.json"), "--plot",
+                   str(tmp_path / "b.png")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert [r["mode"] for r in rows] == ["autoregressive", "chain", "tree"]
+    assert (tmp_path / "b.png").stat().st_size > 1000
+    assert "speed-up" in capsys.readouterr().out
+
+
+def test_generate_requires_a_draft_for_tree_mode(model_dirs):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", str(model_dirs / "target"), "--prompt", "w1"])
