@@ -203,3 +203,41 @@ def test_bad_input():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4))
     with pytest.raises(ValueError, match="unsupported target architecture 'gpt2'"):
         generate(gpt2, drafter, torch.tensor([[1]]), 4)
+
+
+def test_sampling_is_distributed_as_target_sampling():
+    """temperature 0.9, top-k 4 on a 6-token vocabulary: the first two generated tokens over many
+    seeds follow the target's own two-step sampling distribution (chi-square, fixed seeds)."""
+    from ddtree import reference
+    from test_verify_sample import chi_square_pvalue
+
+    torch.manual_seed(7)
+    vocab = 6
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          intermediate_size=128)).eval()
+    cfg = dflash_config(dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=128, block_size=4, num_target_layers=2,
+                             dflash_config={"mask_token_id": vocab - 1}))
+    drafter = DFlashDrafter(cfg).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    settings = dict(temperature=0.9, top_k=4, top_p=1.0)
+    with torch.no_grad():
+        first = reference.filtered_probs(target(ids).logits[0, -1], **settings)
+        expected = {}
+        for t1 in range(vocab):
+            if first[t1] == 0:
+                continue
+            second = reference.filtered_probs(target(torch.tensor([[1, 2, 3, t1]])).logits[0, -1],
+                                              **settings)
+            for t2 in range(vocab):
+                if second[t2] > 0:
+                    expected[(t1, t2)] = float(first[t1] * second[t2])
+    draws = 700
+    counts = {}
+    for seed in range(draws):
+        out = generate(target, drafter, ids, 2, budget=6, seed=seed, **settings)
+        key = tuple(out.tokens)
+        counts[key] = counts.get(key, 0) + 1
+    assert chi_square_pvalue(counts, expected, draws) > 1e-3
