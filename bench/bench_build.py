@@ -5,10 +5,10 @@ times each stage (median of repeats). Usage: python bench/bench_build.py [--quic
 """
 import argparse
 import json
-import statistics
-import time
 
 import torch
+
+from timing import median_time  # noqa: E402
 
 import ddtree
 from ddtree import reference
@@ -16,14 +16,6 @@ from ddtree import reference
 L = 15
 
 
-def median_time(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def reference_topk(logits, k, chunk):

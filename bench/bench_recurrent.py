@@ -6,13 +6,13 @@ Usage: python bench/bench_recurrent.py [--json FILE]
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule  # noqa: E402
+
+from timing import median_time  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree import reference  # noqa: E402
@@ -20,14 +20,6 @@ from ddtree import reference  # noqa: E402
 L = 15
 
 
-def median_time(fn, repeats=3):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def draft_tree(budget, seed):
