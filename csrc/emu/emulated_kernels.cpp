@@ -3,6 +3,7 @@
 #define DDTREE_EMULATE 1
 #include "kernels/simt_selftest.cu"
 #include "kernels/recurrent.cu"
+#include "kernels/tree_attention.cu"
 #include "kernels/tree_ops.cu"
 #include "kernels/tree_sample.cu"
 #include "kernels/tree_topk.cu"

@@ -9,6 +9,7 @@
 #include "core/kv_commit.h"
 #include "core/recurrent.h"
 #include "core/simt_selftest.h"
+#include "core/tree_attention.h"
 #include "core/tree_build.h"
 #include "core/tree_sample.h"
 #include "core/tree_topk.h"
@@ -26,7 +27,8 @@
   int launch_verify_sample(const ::ddtree::VerifySampleParams& p, void* stream);      \
   int launch_tree_conv(const ::ddtree::TreeConvParams& p, void* stream);              \
   int launch_tree_gdn(const ::ddtree::TreeGdnParams& p, void* stream);                \
-  int launch_commit_recurrent(const ::ddtree::CommitRecurrentParams& p, void* stream);
+  int launch_commit_recurrent(const ::ddtree::CommitRecurrentParams& p, void* stream);  \
+  int launch_tree_attention(const ::ddtree::TreeAttentionParams& p, void* stream);
 
 namespace ddtree {
 namespace gpu {

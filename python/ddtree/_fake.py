@@ -58,6 +58,10 @@ def _register(namespace: str) -> None:
     def _commit_recurrent(state, conv_state, slots, k, v, g, beta, conv_x, accepted, accept_len):
         return None
 
+    @torch.library.register_fake(f"{namespace}::tree_attention")
+    def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None):
+        return q.new_empty(q.shape)
+
     @torch.library.register_fake(f"{namespace}::commit_kv_")
     def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD"):
         return None

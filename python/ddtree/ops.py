@@ -181,3 +181,12 @@ def commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
     [committed window, accepted path]."""
     torch.ops.ddtree.commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
                                        accept_len)
+
+
+def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None):
+    """Verify-pass attention (no dense mask): q [B, N, Hq, D] of the tree rows; k_cache / v_cache
+    [B, Hkv, S, D] holding each request's prefix [0, past_len) followed by the tree rows; packed
+    visibility rows [B, N, ceil(N/32)] (tree_visibility). Prefix fully visible, tree block per the
+    bits; GQA; scale defaults to 1/sqrt(D). Returns [B, N, Hq, D]. CUDA: bf16 / fp16, D in
+    {64, 128, 256}, mma.sync tiles."""
+    return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, past_len, packed, scale)

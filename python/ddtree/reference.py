@@ -317,3 +317,22 @@ def commit_recurrent(state, conv_state, slots, k, v, g, beta, conv_x, accepted, 
         _, new_window = conv_chain(conv_x[b, path], window, torch.ones_like(window), None, False)
         conv_state[slot] = new_window.to(conv_state.dtype)
     return state, conv_state
+
+
+def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None):
+    """SDPA with an explicit dense mask per request: prefix [0, past) visible, tree block per the
+    bool visibility [B, N, N], nothing beyond. q [B, N, Hq, D], caches [B, Hkv, S, D]."""
+    batch, n, hq, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        past = int(past_len[b])
+        mask = torch.zeros(n, s, dtype=torch.bool)
+        mask[:, :past] = True
+        mask[:, past: past + n] = visible[b]
+        k = k_cache[b].repeat_interleave(hq // hkv, 0)
+        v = v_cache[b].repeat_interleave(hq // hkv, 0)
+        o = torch.nn.functional.scaled_dot_product_attention(q[b].transpose(0, 1), k, v,
+                                                             attn_mask=mask, scale=scale)
+        out[b] = o.transpose(0, 1)
+    return out

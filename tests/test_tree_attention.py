@@ -1,0 +1,93 @@
+"""tree_attention against SDPA with an explicit dense mask (reference.py), with FlashAttention's
+rule: error <= 2 x (PyTorch's own error at the same precision) + a rounding floor; the mma.sync
+CUDA kernel emulated; awkward sizes; opcheck; bad input."""
+import pytest
+import torch
+
+from ddtree import reference
+from conftest import KERNEL_BACKENDS, kernel_device
+
+ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
+
+
+def random_tree(g, n):
+    parents = torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]])
+    return parents
+
+
+def case(seed, batch=2, n=20, hq=4, hkv=2, d=64, past=(37, 0), dtype=torch.bfloat16, extra=3):
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.cat([random_tree(g, n) for _ in range(batch)])
+    counts = torch.full((batch,), n)
+    vis = torch.ops.ddtree.tree_visibility(parents, counts, torch.zeros(batch, dtype=torch.long))
+    s = max(past) + n + extra
+    q = torch.randn(batch, n, hq, d, generator=g)
+    k = torch.randn(batch, hkv, s, d, generator=g)
+    v = torch.randn(batch, hkv, s, d, generator=g)
+    return [t.to(dtype) for t in (q, k, v)] + [torch.tensor(past), vis[1], vis[0]]
+
+
+def check(backend, c, scale=None):
+    q, k, v, past, packed, visible = c
+    dev = "cpu" if backend == "cpu" else kernel_device(backend)
+    ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
+    got = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), past.to(dev), packed.to(dev), scale).cpu()
+    truth = reference.tree_attention(q.double(), k.double(), v.double(), past, visible, scale)
+    torch_own = reference.tree_attention(q, k, v, past, visible, scale)
+    torch_err = (torch_own.double() - truth).abs().max().item()
+    floor = 2 * torch.finfo(q.dtype).eps * truth.abs().max().item()
+    err = (got.double() - truth).abs().max().item()
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert err <= 2 * torch_err + floor, (err, torch_err, floor)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_dense_mask_sdpa(backend, dtype):
+    check(backend, case(0, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("shape", [dict(n=1, past=(5, 9)), dict(n=17, hq=2, hkv=2), dict(n=33, past=(0, 0)),
+                                   dict(n=16, d=128, hq=2, hkv=1), dict(n=5, d=256, hq=1, hkv=1, past=(16, 1))],
+                         ids=["N1", "N17-MHA", "N33-past0", "D128", "D256"])
+def test_awkward_sizes(backend, shape):
+    check(backend, case(1, **shape))
+
+
+def test_cpu_float32_and_long_context():
+    check("cpu", case(2, dtype=torch.float32, d=48))  # the CPU path takes any D and fp32
+    check("cpu", case(3, n=24, past=(3000, 1500), hq=8, hkv=2))
+    check("cpu", case(4, n=12), scale=0.3)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_emulated_long_prefix_many_chunks(backend):
+    check(backend, case(5, batch=1, n=9, hq=2, hkv=1, past=(190,)))
+
+
+@pytest.mark.parametrize("namespace", ["ddtree", "ddtree_emu"])
+def test_opcheck(namespace):
+    q, k, v, past, packed, _ = case(6, n=5)
+    torch.library.opcheck(getattr(torch.ops, namespace).tree_attention.default, (q, k, v, past, packed, None))
+
+
+def test_bad_input():
+    q, k, v, past, packed, _ = case(7)
+    op = torch.ops.ddtree.tree_attention
+    with pytest.raises(RuntimeError, match="must be a multiple of the KV heads Hkv = 3"):
+        op(q, k.repeat(1, 2, 1, 1)[:, :3], v.repeat(1, 2, 1, 1)[:, :3], past, packed)
+    with pytest.raises(RuntimeError, match=r"past_len \+ N must fit the cache"):
+        op(q, k, v, past + 10, packed)
+    with pytest.raises(RuntimeError, match=r"packed must be int32 \[B, N, ceil\(N/32\)\]"):
+        op(q, k, v, past, packed.long())
+    with pytest.raises(RuntimeError, match="must share one dtype"):
+        op(q, k.half(), v, past, packed)
+    with pytest.raises(RuntimeError, match=r"q must be a 4-D tensor \[B, N, Hq, D\]"):
+        op(q[0], k, v, past, packed)
+    emu = torch.ops.ddtree_emu.tree_attention
+    with pytest.raises(RuntimeError, match="head_dim D = 48 is not supported by the CUDA kernel"):
+        c = case(8, d=48)
+        emu(*c[:5])
+    with pytest.raises(RuntimeError, match="takes bfloat16 or float16"):
+        emu(q.float(), k.float(), v.float(), past, packed)
