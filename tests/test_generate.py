@@ -241,3 +241,24 @@ def test_sampling_is_distributed_as_target_sampling():
         key = tuple(out.tokens)
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, expected, draws) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_lossless_with_the_tree_attention_implementation(kind, monkeypatch):
+    """The "ddtree" attention (tree_attention on packed rows, no dense mask) in the loop."""
+    from ddtree import hf
+
+    calls = []
+    real = hf.tree_attention
+    monkeypatch.setattr(hf, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    target = tiny_target(kind, seed=3)
+    hf.use_tree_attention(target)
+    assert hf.uses_tree_attention(target)
+    for p, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        truth = greedy_reference(target, ids, 40)
+        got = generate(target, OracleDrafter(truth, len(prompt), seed=p), ids, 40, budget=16)
+        assert got.tokens == truth and got.tau > 2
+        got = generate(target, tiny_drafter(), ids, 20, budget=16)
+        assert got.tokens == truth[:20]
+    assert len(calls) >= LAYERS  # verification went through the tree_attention op

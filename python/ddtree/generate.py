@@ -2,8 +2,10 @@
 turns it into the optimal draft tree, the target verifies the whole tree in one forward pass, the
 accepted path is committed.
 
-Supported now: dense decoder targets whose attention takes a 4-D additive mask through
-transformers' standard masking path (Qwen3, Qwen2, Llama, Mistral), batch 1, greedy and sampling.
+Supported now: dense decoder targets (Qwen3, Qwen2, Llama, Mistral), batch 1, greedy and
+sampling. Verification attention: the "ddtree" attention implementation (`ddtree.hf.
+use_tree_attention(target)`: the tree_attention op on packed visibility rows), otherwise the
+target's own attention with the dense additive tree mask through transformers' 4-D mask path.
 Host synchronisation inside a round: reading the accepted length to crop the KV cache and to
 stream / stop (one `.tolist()` per round).
 """
@@ -15,7 +17,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from . import ops
+from . import hf, ops
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -142,8 +144,11 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
                 tree, vis = ops.draft_to_tree(draft_logits, bonus, depth, start=past, k=1)
             else:
                 tree, vis = ops.draft_to_tree(draft_logits, bonus, budget, start=past)
-            dtype = target.get_input_embeddings().weight.dtype
-            mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past, dtype)
+            if hf.uses_tree_attention(target):  # packed rows, read by the tree_attention op
+                mask = vis.packed[:, None]
+            else:
+                dtype = target.get_input_embeddings().weight.dtype
+                mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past, dtype)
             t2 = time.perf_counter()
             out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
                          attention_mask=mask, past_key_values=cache, use_cache=True,
