@@ -40,6 +40,10 @@ void define_public_ops(torch::Library& m) {
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor past_len, Tensor packed, "
       "float? scale=None) -> Tensor");
   m.def(
+      "draft_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor cache_len, Tensor q_norm_weight, Tensor k_norm_weight, "
+      "Tensor cos, Tensor sin, int num_context, float eps, float? scale=None) -> Tensor");
+  m.def(
       "commit_kv_(Tensor(a!) cache, Tensor past_len, Tensor accepted, Tensor accept_len, "
       "str layout=\"BHSD\") -> ()");
 }

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 
+#include "core/draft_attention.h"
 #include "core/kv_commit.h"
 #include "core/recurrent.h"
 #include "core/simt_selftest.h"
@@ -28,7 +29,8 @@
   int launch_tree_conv(const ::ddtree::TreeConvParams& p, void* stream);              \
   int launch_tree_gdn(const ::ddtree::TreeGdnParams& p, void* stream);                \
   int launch_commit_recurrent(const ::ddtree::CommitRecurrentParams& p, void* stream);  \
-  int launch_tree_attention(const ::ddtree::TreeAttentionParams& p, void* stream);
+  int launch_tree_attention(const ::ddtree::TreeAttentionParams& p, void* stream);      \
+  int launch_draft_attention(const ::ddtree::DraftAttentionParams& p, void* stream);
 
 namespace ddtree {
 namespace gpu {

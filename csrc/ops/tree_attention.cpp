@@ -86,7 +86,7 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   p.s_max = S;
   p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   p.out = out.data_ptr();
-  run_op<kBackend>(op, kAttentionKernels, p, q, B * Hq * N, 4);
+  run_op<kBackend>(op, kAttentionKernels, p, q, B * Hkv, 1);
   return out;
 }
 

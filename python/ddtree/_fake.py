@@ -62,6 +62,11 @@ def _register(namespace: str) -> None:
     def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None):
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake(f"{namespace}::draft_attention")
+    def _draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight,
+                         k_norm_weight, cos, sin, num_context, eps, scale=None):
+        return q.new_empty(q.shape)
+
     @torch.library.register_fake(f"{namespace}::commit_kv_")
     def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD"):
         return None

@@ -190,3 +190,16 @@ def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float]
     bits; GQA; scale defaults to 1/sqrt(D). Returns [B, N, Hq, D]. CUDA: bf16 / fp16, D in
     {64, 128, 256}, mma.sync tiles."""
     return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, past_len, packed, scale)
+
+
+def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,
+                    cos, sin, num_context: int, eps: float, scale: Optional[float] = None):
+    """Fused DFlash draft-layer attention (SPEC §8), one launch: q [B, Lq, Hq, D] and k_new / v_new
+    [B, C + Lq, Hkv, D] are projection outputs; q / k get RMSNorm (weights [D], eps) and RoPE
+    (cos / sin [B, C + Lq, D] for the new rows, block rows last); the C new context rows are
+    appended to k_cache / v_cache [B, Hkv, S, D] at cache_len (in place; the caller then adds C to
+    cache_len); every block query attends, non-causally, to cache + new context + block rows.
+    Returns [B, Lq, Hq, D]."""
+    return torch.ops.ddtree.draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len,
+                                            q_norm_weight, k_norm_weight, cos, sin,
+                                            int(num_context), float(eps), scale)

@@ -336,3 +336,35 @@ def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None):
                                                              attn_mask=mask, scale=scale)
         out[b] = o.transpose(0, 1)
     return out
+
+
+def _rms_rope(x, weight, eps, cos, sin):
+    """RMSNorm then RoPE (rotate-half) in float64; x [..., D], cos / sin broadcastable."""
+    x = x.double()
+    x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * weight.double()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos.double() + rot * sin.double()
+
+
+def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,
+                    cos, sin, num_context, eps, scale=None):
+    """(out [B, Lq, Hq, D] float64, new K rows [B, C, Hkv, D], new V rows): norm + RoPE, then
+    non-causal SDPA of the block queries over [cache[:cache_len]; new context; block]."""
+    batch, lq, hq, _ = q.shape
+    hkv = k_new.shape[2]
+    outs, new_k = [], []
+    for b in range(batch):
+        cached = int(cache_len[b])
+        kn = _rms_rope(k_new[b], k_norm_weight, eps, cos[b][:, None], sin[b][:, None])
+        qn = _rms_rope(q[b], q_norm_weight, eps, cos[b, num_context:][:, None],
+                       sin[b, num_context:][:, None])
+        keys = torch.cat([k_cache[b, :, :cached].transpose(0, 1).double(), kn], 0)
+        values = torch.cat([v_cache[b, :, :cached].transpose(0, 1).double(), v_new[b].double()], 0)
+        rep = hq // hkv
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qn.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(rep, 0),
+            values.transpose(0, 1).repeat_interleave(rep, 0), scale=scale)
+        outs.append(o.transpose(0, 1))
+        new_k.append(kn[:num_context])
+    return torch.stack(outs), torch.stack(new_k), v_new[:, :num_context]

@@ -1,0 +1,105 @@
+"""draft_attention (fused DFlash layer attention) against an explicit RMSNorm + RoPE + SDPA
+reference in float64, the mma.sync CUDA kernel emulated, the cache append, awkward sizes, opcheck,
+bad input. Error bound: 2 x (the exact result's own rounding to the dtype) + 4 ulp of the output
+scale — tighter than FlashAttention's 2 x PyTorch-at-the-same-precision rule."""
+import pytest
+import torch
+
+from ddtree import reference
+from conftest import KERNEL_BACKENDS, kernel_device
+
+ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
+
+
+def case(seed, batch=2, lq=16, context=(5,), hq=4, hkv=2, d=64, cached=(7, 0), s=48,
+         dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    c = context[0]
+    t = c + lq
+    q = torch.randn(batch, lq, hq, d, generator=g)
+    k_new = torch.randn(batch, t, hkv, d, generator=g)
+    v_new = torch.randn(batch, t, hkv, d, generator=g)
+    k_cache = torch.randn(batch, hkv, s, d, generator=g)
+    v_cache = torch.randn(batch, hkv, s, d, generator=g)
+    pos = torch.tensor(cached)[:, None] + torch.arange(t)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = pos[..., None].float() * inv
+    emb = torch.cat([ang, ang], -1)
+    qw = 1 + 0.1 * torch.randn(d, generator=g)
+    kw = 1 + 0.1 * torch.randn(d, generator=g)
+    tensors = [x.to(dtype) for x in (q, k_new, v_new, k_cache, v_cache)]
+    return tensors + [torch.tensor(cached), qw, kw, emb.cos(), emb.sin(), c, 1e-6]
+
+
+def run(backend, c, scale=None):
+    dev = "cpu" if backend == "cpu" else kernel_device(backend)
+    ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
+    args = [x.clone().to(dev) if isinstance(x, torch.Tensor) else x for x in c]
+    out = ops.draft_attention(*args, scale)
+    return out.cpu(), args[3].cpu(), args[4].cpu()
+
+
+def check(backend, c, scale=None):
+    out, k_cache, v_cache = run(backend, c, scale)
+    truth, new_k, new_v = reference.draft_attention(*c, scale)
+    q = c[0]
+    own = reference.draft_attention(*[x.float() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                      else x for x in c[:5]], *c[5:], scale)[0]
+    own_err = (own.to(q.dtype).double() - truth).abs().max().item()
+    floor = 4 * torch.finfo(q.dtype).eps * truth.abs().max().item()
+    err = (out.double() - truth).abs().max().item()
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert err <= 2 * own_err + floor, (err, own_err, floor)
+    # The new context rows were appended at cache_len (K normed + roped); nothing else moved.
+    cached, ctx = c[5], c[10]
+    for b in range(q.shape[0]):
+        at = int(cached[b])
+        torch.testing.assert_close(k_cache[b, :, at: at + ctx].double(), new_k[b].transpose(0, 1),
+                                   rtol=2e-2, atol=2e-2)
+        assert torch.equal(v_cache[b, :, at: at + ctx], new_v[b].transpose(0, 1))
+        keep = torch.ones(k_cache.shape[2], dtype=torch.bool)
+        keep[at: at + ctx] = False
+        assert torch.equal(k_cache[b][:, keep], c[3][b][:, keep])
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(backend, dtype):
+    check(backend, case(0, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("shape", [dict(lq=1, context=(0,)), dict(hq=2, hkv=2, cached=(0, 0)),
+                                   dict(d=128, hq=2, hkv=1, lq=20, context=(3,)),
+                                   dict(d=256, hq=1, hkv=1, lq=4, s=30),
+                                   dict(batch=1, cached=(60,), s=90, context=(12,))],
+                         ids=["Lq1", "MHA-empty-cache", "D128-Lq20", "D256", "long-context"])
+def test_awkward_sizes(backend, shape):
+    check(backend, case(1, **shape))
+
+
+def test_cpu_float32_and_scale():
+    check("cpu", case(2, dtype=torch.float32, d=40))
+    check("cpu", case(3), scale=0.2)
+
+
+@pytest.mark.parametrize("namespace", ["ddtree", "ddtree_emu"])
+def test_opcheck(namespace):
+    c = case(4, lq=3, context=(2,))
+    torch.library.opcheck(getattr(torch.ops, namespace).draft_attention.default, (*c, None))
+
+
+def test_bad_input():
+    c = case(5)
+    op = torch.ops.ddtree.draft_attention
+    with pytest.raises(RuntimeError, match=r"cache overflow"):
+        op(*c[:5], c[5] + 40, *c[6:], None)
+    with pytest.raises(RuntimeError, match="must hold num_context"):
+        op(*c[:10], 4, c[11], None)
+    with pytest.raises(RuntimeError, match="must be a multiple of the KV heads"):
+        bad = case(5, hq=3, hkv=2)
+        op(*bad, None)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[B, T, D\]"):
+        op(*c[:8], c[8][:, :3], c[9], *c[10:], None)
+    with pytest.raises(RuntimeError, match="head_dim D = 40 is not supported by the CUDA kernel"):
+        torch.ops.ddtree_emu.draft_attention(*case(6, d=40), None)
