@@ -26,5 +26,7 @@ else
   tail -30 "$OUT/cmake.log"
   status=1
 fi
+PYTHONPATH=python timeout 180 "$PY" bench/bench_attention_gpu.py --json "$OUT/attention_gpu.json" \
+  | tee "$OUT/attention_gpu.txt" || status=1
 echo "gpu_check: exit $status"
 exit $status
