@@ -262,3 +262,23 @@ def test_lossless_with_the_tree_attention_implementation(kind, monkeypatch):
         got = generate(target, tiny_drafter(), ids, 20, budget=16)
         assert got.tokens == truth[:20]
     assert len(calls) >= LAYERS  # verification went through the tree_attention op
+
+
+def test_fused_draft_attention_gives_the_same_proposals():
+    """The drafter through the draft_attention op (preallocated cache, one launch per layer)
+    proposes what the unfused SDPA path proposes, round after round."""
+    target = tiny_target()
+    plain, fused = tiny_drafter(), tiny_drafter()
+    fused.fused_attention = True
+    assert not plain._use_fused() and fused._use_fused()
+    caches = [plain.new_cache(), fused.new_cache()]
+    g = torch.Generator().manual_seed(0)
+    for round_ in range(4):
+        feats = torch.randn(1, 1 + round_ * 3, HIDDEN * len(plain.target_layer_ids), generator=g)
+        bonus = torch.randint(0, VOCAB, (1,), generator=g)
+        a = plain.propose(target, bonus, feats, caches[0])
+        b = fused.propose(target, bonus, feats, caches[1])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert caches[1].fused and caches[1].layers[0][0].shape[2] >= caches[1].length
+    ids = torch.tensor([PROMPTS[0]])
+    assert generate(target, fused, ids, 12).tokens == greedy_reference(target, ids, 12)

@@ -60,10 +60,13 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, cache_kv):
+    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, cache_len=0, fused=False):
         """x [B, S, H] (normed block rows), ctx [B, C, H] new context rows; rope_* = (cos, sin);
         cache_kv: (K, V) [B, Hkv, C_cached, D] or None. Returns (out [B, S, H], (K_ctx, V_ctx)
-        with the new context rows appended)."""
+        with the new context rows appended). fused: one draft_attention launch on a preallocated
+        cache (K, V) [B, Hkv, capacity, D] whose first cache_len rows are committed."""
+        if fused:
+            return self._forward_fused(x, ctx, rope_kv, cache_kv, cache_len)
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
         kv_in = torch.cat([ctx, x], 1)
@@ -86,6 +89,29 @@ class DFlashAttention(nn.Module):
         return out, (k_ctx, v_ctx)
 
 
+    def _forward_fused(self, x, ctx, rope_kv, cache_kv, cache_len):
+        from ..ops import draft_attention
+
+        b, s, _ = x.shape
+        c = ctx.shape[1]
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        kv_in = torch.cat([ctx, x], 1)
+        k = self.k_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim)
+        if cache_kv is None or cache_kv[0].shape[2] < cache_len + c:
+            capacity = max(2 * (cache_kv[0].shape[2] if cache_kv else 0), cache_len + c + 64)
+            grown = tuple(x.new_zeros(b, self.num_kv_heads, capacity, self.head_dim) for _ in range(2))
+            if cache_kv is not None:
+                for old, new in zip(cache_kv, grown):
+                    new[:, :, :cache_len] = old[:, :, :cache_len]
+            cache_kv = grown
+        lens = torch.full((b,), cache_len, dtype=torch.long, device=x.device)
+        out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], lens, self.q_norm.weight,
+                              self.k_norm.weight, rope_kv[0], rope_kv[1], c,
+                              self.q_norm.variance_epsilon)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), cache_kv
+
+
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
@@ -94,17 +120,20 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_kv, cache_kv):
-        attn, cache_kv = self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, cache_kv)
+    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, cache_len=0, fused=False):
+        attn, cache_kv = self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, cache_kv,
+                                        cache_len, fused)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
 
 
 @dataclass
 class DraftCache:
-    """Context K/V per draft layer ([B, Hkv, C, D]) and the context length (positions 0..C-1)."""
+    """Context K/V per draft layer and the context length (positions 0..length-1). Unfused: K/V
+    [B, Hkv, length, D]; fused (draft_attention): preallocated [B, Hkv, capacity, D]."""
     layers: List[Optional[tuple]] = field(default_factory=list)
     length: int = 0
+    fused: bool = False
 
 
 class DFlashDrafter(nn.Module):
@@ -123,6 +152,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        # "auto": the fused draft_attention op on CUDA when its kernel covers dtype and head_dim;
+        # True / False force it on / off (True also works on CPU, through the op's CPU path).
+        self.fused_attention = "auto"
 
     @property
     def depth(self) -> int:
@@ -189,8 +221,18 @@ class DFlashDrafter(nn.Module):
         """concat_l hidden_states[l + 1] over target_layer_ids: [B, T, n * H]."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], -1)
 
+    def _use_fused(self) -> bool:
+        if self.fused_attention != "auto":
+            return bool(self.fused_attention)
+        from .. import has_cuda_kernels
+
+        w = self.fc.weight
+        head_dim = self.layers[0].self_attn.head_dim
+        return (w.is_cuda and has_cuda_kernels() and w.dtype in (torch.bfloat16, torch.float16)
+                and head_dim in (64, 128, 256))
+
     def new_cache(self) -> DraftCache:
-        return DraftCache([None] * len(self.layers), 0)
+        return DraftCache([None] * len(self.layers), 0, self._use_fused())
 
     @torch.no_grad()
     def propose(self, target, bonus: torch.Tensor, features: torch.Tensor,
@@ -211,7 +253,8 @@ class DFlashDrafter(nn.Module):
         rope_q = self.rotary_emb(x, pos_q)
         rope_kv = self.rotary_emb(x, pos_kv)
         for i, layer in enumerate(self.layers):
-            x, cache.layers[i] = layer(x, ctx, rope_q, rope_kv, cache.layers[i])
+            x, cache.layers[i] = layer(x, ctx, rope_q, rope_kv, cache.layers[i], cache.length,
+                                       cache.fused)
         cache.length = start
         hidden = self.norm(x[:, 1:])
         return target.get_output_embeddings()(hidden.to(target.get_output_embeddings().weight.dtype))
