@@ -282,3 +282,55 @@ def test_fused_draft_attention_gives_the_same_proposals():
     assert caches[1].fused and caches[1].layers[0][0].shape[2] >= caches[1].length
     ids = torch.tensor([PROMPTS[0]])
     assert generate(target, fused, ids, 12).tokens == greedy_reference(target, ids, 12)
+
+
+def tiny_hybrid(seed=3):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                            layer_types=["linear_attention", "full_attention"] * (LAYERS // 2),
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16,
+                            linear_conv_kernel_dim=4, intermediate_size=128)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(cfg).eval()
+    for p in model.parameters():
+        p.data.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
+def test_lossless_hybrid_qwen3_5_target(mode):
+    """Gated DeltaNet layers verified over the tree (tree conv + tree GDN ops) and committed along
+    the accepted path: the output equals the hybrid target's own greedy decoding, with deep
+    acceptances (recurrent state of deep leaves committed) and with the DFlash drafter."""
+    from ddtree import hybrid
+
+    target = tiny_hybrid()
+    gdn = hybrid.gated_delta_layers(target)
+    assert len(gdn) == LAYERS // 2
+    for p, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        truth = greedy_reference(target, ids, 40)
+        got = generate(target, OracleDrafter(truth, len(prompt), seed=p), ids, 40, mode=mode,
+                       budget=16)
+        assert got.tokens == truth
+        if mode != "autoregressive":
+            assert got.tau > 2.5
+        assert generate(target, tiny_drafter(), ids, 16, mode=mode, budget=16).tokens == truth[:16]
+    assert all("forward" not in vars(m) for m in gdn)  # the class forward is back
+
+
+def test_hybrid_with_tree_attention_and_stop_token(monkeypatch):
+    from ddtree import hf
+
+    target = tiny_hybrid(seed=5)
+    hf.use_tree_attention(target)
+    ids = torch.tensor([PROMPTS[2]])
+    truth = greedy_reference(target, ids, 30)
+    stop = truth[17]
+    got = generate(target, OracleDrafter(truth, len(PROMPTS[2]), hit=0.9), ids, 30, budget=32,
+                   stop_token_ids=[stop])
+    assert got.tokens == truth[: truth.index(stop) + 1]

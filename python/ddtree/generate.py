@@ -2,8 +2,9 @@
 turns it into the optimal draft tree, the target verifies the whole tree in one forward pass, the
 accepted path is committed.
 
-Supported now: dense decoder targets (Qwen3, Qwen2, Llama, Mistral), batch 1, greedy and
-sampling. Verification attention: the "ddtree" attention implementation (`ddtree.hf.
+Supported now: dense decoder targets (Qwen3, Qwen2, Llama, Mistral) and hybrid Qwen3.5 /
+Qwen3-Next text models (Gated DeltaNet layers run over the tree, see ddtree.hybrid), batch 1,
+greedy and sampling. Verification attention: the "ddtree" attention implementation (`ddtree.hf.
 use_tree_attention(target)`: the tree_attention op on packed visibility rows), otherwise the
 target's own attention with the dense additive tree mask through transformers' 4-D mask path.
 Host synchronisation inside a round: reading the accepted length to crop the KV cache and to
@@ -17,7 +18,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from . import hf, ops
+from . import hf, hybrid, ops
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -41,16 +42,18 @@ class GenerationResult:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
 
 
-def _check_target(target) -> None:
+def _check_target(target) -> bool:
+    """True for a hybrid target (Gated DeltaNet layers, run over the tree by ddtree.hybrid)."""
     model_type = getattr(target.config, "model_type", None)
     if model_type in HYBRID_MODEL_TYPES:
-        raise NotImplementedError(
-            f"generate: hybrid target '{model_type}' (Gated DeltaNet layers) is not wired into the "
-            "loop yet; the recurrent ops exist (tree_gated_delta_rule, tree_causal_conv1d, "
-            "commit_recurrent_)")
+        if not hybrid.gated_delta_layers(target):
+            raise ValueError(f"generate: hybrid target '{model_type}' has no Gated DeltaNet layers "
+                             "that ddtree recognises")
+        return True
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"generate: unsupported target architecture '{model_type}'; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"{', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}")
+    return False
 
 
 class _Sampler:
@@ -67,6 +70,12 @@ class _Sampler:
         self.offset += 1
         return ops.verify_sample(tree, logits.float(), self.depth, self.temperature, self.top_k,
                                  self.top_p, self.seed, self.offset)
+
+
+def _no_context():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _root_only_tree(token: torch.Tensor) -> ops.DraftTree:
@@ -95,7 +104,7 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
         raise ValueError(f"generate: budget must be >= 0, got {budget}")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    _check_target(target)
+    is_hybrid = _check_target(target)
     if mode != "autoregressive":
         if drafter is None:
             raise ValueError(f"generate: mode '{mode}' needs a drafter")
@@ -150,19 +159,26 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
                 dtype = target.get_input_embeddings().weight.dtype
                 mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past, dtype)
             t2 = time.perf_counter()
-            out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
-                         attention_mask=mask, past_key_values=cache, use_cache=True,
-                         output_hidden_states=True)
+            tree_pass = hybrid.TreePass(tree, depth)
+            with hybrid.tree_verification(target, tree_pass) if is_hybrid else _no_context():
+                out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
+                             attention_mask={"full_attention": mask, "linear_attention": None}
+                             if is_hybrid else mask,
+                             past_key_values=cache, use_cache=True, output_hidden_states=True)
             verdict = sampler.verify(tree, out.logits)
             t3 = time.perf_counter()
             accepted = int(verdict.accept_len[0])
             past_t = torch.full((1,), past, dtype=torch.long, device=device)
+            surplus = tree.node_tokens.shape[1] - accepted  # tree rows beyond the accepted path
             for layer in cache.layers:
+                if getattr(layer, "keys", None) is None:
+                    continue  # linear-attention layers: committed below
                 ops.commit_kv_(layer.keys, past_t, verdict.accepted, verdict.accept_len)
                 ops.commit_kv_(layer.values, past_t, verdict.accepted, verdict.accept_len)
-            surplus = tree.node_tokens.shape[1] - accepted  # tree rows beyond the accepted path
-            if surplus > 0:
-                cache.crop(-surplus)
+                if surplus > 0:
+                    layer.crop(-surplus)
+            if is_hybrid:
+                hybrid.commit(cache, tree_pass, verdict)
             path = verdict.accepted[0, :accepted]
             features = drafter.target_features(out.hidden_states)[:, path]
             past += accepted

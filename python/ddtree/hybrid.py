@@ -1,0 +1,87 @@
+"""Hybrid targets (Qwen3.5 / Qwen3-Next: Gated DeltaNet + full attention) in the speculative loop.
+
+During a verify pass each Gated DeltaNet module runs over the *tree*: its short convolution and
+recurrence come from the ddtree ops (every node from its parent's state, the root from the cached
+state) instead of the chain kernels, using the module's own projections, norm and parameters and
+transformers' cache objects (`cache.layers[i].conv_states[0]` [B, C, W],
+`.recurrent_states[0]` [B, Hv, Dk, Dv]). Nothing is written to the cache during the pass;
+`commit` then moves each layer's conv window and recurrent state along the accepted path. The
+module's forward is swapped on the instance for the duration of the pass only (transformers keeps
+no other hook that can replace the layer's computation); prefill and plain decoding run unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+
+def is_gated_delta_net(module) -> bool:
+    return type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "in_proj_qkv")
+
+
+def gated_delta_layers(model) -> List[torch.nn.Module]:
+    return [m for m in model.modules() if is_gated_delta_net(m)]
+
+
+class TreePass:
+    """Tree structure of the current verify pass plus, per GDN layer, what the commit needs."""
+
+    def __init__(self, tree: ops.DraftTree, max_depth: int):
+        self.tree = tree
+        self.max_depth = max_depth
+        self.saved: Dict[int, tuple] = {}
+
+
+def _tree_forward(module, tree_pass: TreePass):
+    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        b, n, _ = hidden_states.shape
+        layer = cache_params.layers[module.layer_idx]
+        conv_state, state = layer.conv_states[0], layer.recurrent_states[0]
+        slots = torch.arange(b, device=hidden_states.device)
+        tree = tree_pass.tree
+        mixed = module.in_proj_qkv(hidden_states)  # [B, N, C]: conv inputs
+        z = module.in_proj_z(hidden_states).reshape(b, n, -1, module.head_v_dim)
+        beta = module.in_proj_b(hidden_states).sigmoid()
+        g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden_states).float()
+                                                     + module.dt_bias)
+        conv = ops.tree_causal_conv1d(mixed, conv_state, slots, module.conv1d.weight.squeeze(1),
+                                      module.conv1d.bias, tree.parents, tree.num_nodes,
+                                      module.activation)
+        q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        q = q.reshape(b, n, -1, module.head_k_dim)
+        k = k.reshape(b, n, -1, module.head_k_dim)
+        v = v.reshape(b, n, -1, module.head_v_dim)
+        core = ops.tree_gated_delta_rule(q, k, v, g, beta, state, slots, tree.parents,
+                                         tree.num_nodes, tree_pass.max_depth).to(v.dtype)
+        tree_pass.saved[module.layer_idx] = (mixed, k, v, g, beta)
+        core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(core.reshape(b, n, -1))
+
+    return forward
+
+
+@contextlib.contextmanager
+def tree_verification(model, tree_pass: TreePass):
+    """Within the block, every Gated DeltaNet module of `model` runs over tree_pass.tree."""
+    modules = gated_delta_layers(model)
+    for m in modules:
+        m.forward = _tree_forward(m, tree_pass)
+    try:
+        yield tree_pass
+    finally:
+        for m in modules:
+            del m.forward  # back to the class's forward
+
+
+def commit(cache, tree_pass: TreePass, verdict: ops.GreedyVerdict) -> None:
+    """Conv windows and recurrent states of every GDN layer move along the accepted path."""
+    for layer_idx, (mixed, k, v, g, beta) in tree_pass.saved.items():
+        layer = cache.layers[layer_idx]
+        slots = torch.arange(k.shape[0], device=k.device)
+        ops.commit_recurrent_(layer.recurrent_states[0], layer.conv_states[0], slots, k, v, g, beta,
+                              mixed, verdict.accepted, verdict.accept_len)
