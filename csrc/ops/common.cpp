@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <vector>
 #include <stdexcept>
 
@@ -83,6 +84,18 @@ int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
       deepest = std::max(deepest, depth[i]);
     }
   return deepest;
+}
+
+void check_mma_attention_args(const char* op, at::ScalarType dtype, int64_t head_dim) {
+  TORCH_CHECK(dtype != at::kFloat, op, ": the CUDA kernel takes bfloat16 or float16 (mma.sync); ",
+              "got float32");
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, op, ": head_dim D = ", head_dim,
+              " is not supported by the CUDA kernel (64, 128 or 256)");
+}
+
+float attention_scale(const c10::optional<double>& scale, int64_t head_dim) {
+  return static_cast<float>(scale.has_value() ? *scale
+                                              : 1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
 
 LogitsDtype logits_dtype(at::ScalarType dtype) {

@@ -38,6 +38,11 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
 int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
                               const at::Tensor& num_nodes);
 
+// The mma.sync attention kernels take bf16 / fp16 and head_dim 64, 128 or 256.
+void check_mma_attention_args(const char* op, at::ScalarType dtype, int64_t head_dim);
+// The softmax scale: the given one, else 1 / sqrt(head_dim).
+float attention_scale(const c10::optional<double>& scale, int64_t head_dim);
+
 // Logits element type of the kernels (float32 / bfloat16 / float16 only; callers check).
 LogitsDtype logits_dtype(at::ScalarType dtype);
 

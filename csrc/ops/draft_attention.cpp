@@ -1,8 +1,6 @@
 // ATen adapter of draft_attention: the DFlash drafter layer's fused attention.
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "cpu/draft_attention.h"
 #include "kernels/launchers.h"
 #include "ops/common.h"
@@ -45,12 +43,7 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
               ": q must be float32, bfloat16 or float16, got ", dtype);
   for (const Tensor* t : {&k_new, &v_new, &k_cache, &v_cache})
     TORCH_CHECK(t->scalar_type() == dtype, op, ": q, k_new, v_new and the caches must share one dtype");
-  if constexpr (kBackend != Backend::kCpu) {
-    TORCH_CHECK(dtype != at::kFloat, op, ": the CUDA kernel takes bfloat16 or float16 (mma.sync); "
-                "got float32");
-    TORCH_CHECK(D == 64 || D == 128 || D == 256, op, ": head_dim D = ", D,
-                " is not supported by the CUDA kernel (64, 128 or 256)");
-  }
+  if constexpr (kBackend != Backend::kCpu) check_mma_attention_args(op, dtype, D);
   TORCH_CHECK(q_norm_weight.numel() == D && k_norm_weight.numel() == D, op,
               ": q_norm_weight and k_norm_weight must have D = ", D, " elements");
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({B, T, D}) && sin.sizes() == cos.sizes(), op,
@@ -94,7 +87,7 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   p.hkv = Hkv;
   p.d = D;
   p.s_max = S;
-  p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  p.scale = attention_scale(scale, D);
   p.out = out.data_ptr();
   run_op<kBackend>(op, kDraftKernels, p, q, B, 1);
   return out;

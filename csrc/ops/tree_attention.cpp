@@ -1,8 +1,6 @@
 // ATen adapter of tree_attention: the target's verify-pass attention over prefix + tree block.
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "cpu/tree_attention.h"
 #include "kernels/launchers.h"
 #include "ops/common.h"
@@ -35,12 +33,7 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
               ": q must be float32, bfloat16 or float16, got ", dtype);
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, op,
               ": q, k_cache and v_cache must share one dtype");
-  if constexpr (kBackend != Backend::kCpu) {
-    TORCH_CHECK(dtype != at::kFloat, op, ": the CUDA kernel takes bfloat16 or float16 (mma.sync); "
-                "got float32");
-    TORCH_CHECK(D == 64 || D == 128 || D == 256, op, ": head_dim D = ", D,
-                " is not supported by the CUDA kernel (64, 128 or 256)");
-  }
+  if constexpr (kBackend != Backend::kCpu) check_mma_attention_args(op, dtype, D);
   check_index_tensor(op, "past_len", past_len);
   TORCH_CHECK(past_len.dim() == 1 && past_len.size(0) == B, op, ": past_len must have shape [B] = [",
               B, "], got ", past_len.sizes());
@@ -84,7 +77,7 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   p.hkv = Hkv;
   p.d = D;
   p.s_max = S;
-  p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  p.scale = attention_scale(scale, D);
   p.out = out.data_ptr();
   run_op<kBackend>(op, kAttentionKernels, p, q, B * Hkv, 1);
   return out;
