@@ -284,31 +284,36 @@ def test_fused_draft_attention_gives_the_same_proposals():
     assert generate(target, fused, ids, 12).tokens == greedy_reference(target, ids, 12)
 
 
-def tiny_hybrid(seed=3):
-    from transformers import Qwen3_5TextConfig
+def tiny_hybrid(seed=3, kind="qwen3_5"):
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
-    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                            layer_types=["linear_attention", "full_attention"] * (LAYERS // 2),
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            linear_num_key_heads=2, linear_num_value_heads=4,
-                            linear_key_head_dim=16, linear_value_head_dim=16,
-                            linear_conv_kernel_dim=4, intermediate_size=128)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                  layer_types=["linear_attention", "full_attention"] * (LAYERS // 2),
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=128)
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(cfg).eval()
+    if kind == "qwen3_next":  # fused qkvz / ba projections, sparse MoE MLPs
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, **common)).eval()
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common)).eval()
     for p in model.parameters():
         p.data.mul_(3.0)
     return model
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
-def test_lossless_hybrid_qwen3_5_target(mode):
+def test_lossless_hybrid_target(kind, mode):
     """Gated DeltaNet layers verified over the tree (tree conv + tree GDN ops) and committed along
     the accepted path: the output equals the hybrid target's own greedy decoding, with deep
     acceptances (recurrent state of deep leaves committed) and with the DFlash drafter."""
     from ddtree import hybrid
 
-    target = tiny_hybrid()
+    target = tiny_hybrid(kind=kind)
     gdn = hybrid.gated_delta_layers(target)
     assert len(gdn) == LAYERS // 2
     for p, prompt in enumerate(PROMPTS):

@@ -2,8 +2,8 @@
 turns it into the optimal draft tree, the target verifies the whole tree in one forward pass, the
 accepted path is committed.
 
-Supported now: dense decoder targets (Qwen3, Qwen2, Llama, Mistral) and hybrid Qwen3.5 /
-Qwen3-Next text models (Gated DeltaNet layers run over the tree, see ddtree.hybrid), batch 1,
+Supported now: dense decoder targets (Qwen3, Qwen2, Llama, Mistral) and hybrid Qwen3.5 text /
+Qwen3-Next models (Gated DeltaNet layers run over the tree, see ddtree.hybrid), batch 1,
 greedy and sampling. Verification attention: the "ddtree" attention implementation (`ddtree.hf.
 use_tree_attention(target)`: the tree_attention op on packed visibility rows), otherwise the
 target's own attention with the dense additive tree mask through transformers' 4-D mask path.

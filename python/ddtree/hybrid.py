@@ -1,4 +1,4 @@
-"""Hybrid targets (Qwen3.5 / Qwen3-Next: Gated DeltaNet + full attention) in the speculative loop.
+"""Hybrid targets (Qwen3.5, Qwen3-Next: Gated DeltaNet + full attention) in the speculative loop.
 
 During a verify pass each Gated DeltaNet module runs over the *tree*: its short convolution and
 recurrence come from the ddtree ops (every node from its parent's state, the root from the cached
@@ -21,7 +21,23 @@ from . import ops
 
 
 def is_gated_delta_net(module) -> bool:
-    return type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "in_proj_qkv")
+    return type(module).__name__.endswith("GatedDeltaNet") and (
+        hasattr(module, "in_proj_qkv") or hasattr(module, "in_proj_qkvz"))
+
+
+def _projections(module, hidden_states):
+    """(conv inputs [B, N, C], z [B, N, Hv, Dv], b, a [B, N, Hv]) from the module's own
+    projections: separate ones (Qwen3.5) or the fused qkvz / ba ones with the module's own
+    reordering (Qwen3-Next)."""
+    bsz, n = hidden_states.shape[:2]
+    if hasattr(module, "in_proj_qkvz"):
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
+                                                               module.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(bsz, n, -1) for x in (q, k, v)], -1)
+        return mixed, z, b, a
+    return (module.in_proj_qkv(hidden_states),
+            module.in_proj_z(hidden_states).reshape(bsz, n, -1, module.head_v_dim),
+            module.in_proj_b(hidden_states), module.in_proj_a(hidden_states))
 
 
 def gated_delta_layers(model) -> List[torch.nn.Module]:
@@ -44,11 +60,9 @@ def _tree_forward(module, tree_pass: TreePass):
         conv_state, state = layer.conv_states[0], layer.recurrent_states[0]
         slots = torch.arange(b, device=hidden_states.device)
         tree = tree_pass.tree
-        mixed = module.in_proj_qkv(hidden_states)  # [B, N, C]: conv inputs
-        z = module.in_proj_z(hidden_states).reshape(b, n, -1, module.head_v_dim)
-        beta = module.in_proj_b(hidden_states).sigmoid()
-        g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden_states).float()
-                                                     + module.dt_bias)
+        mixed, z, b_proj, a_proj = _projections(module, hidden_states)  # mixed: conv inputs
+        beta = b_proj.sigmoid()
+        g = -module.A_log.float().exp() * F.softplus(a_proj.float() + module.dt_bias)
         conv = ops.tree_causal_conv1d(mixed, conv_state, slots, module.conv1d.weight.squeeze(1),
                                       module.conv1d.bias, tree.parents, tree.num_nodes,
                                       module.activation)
