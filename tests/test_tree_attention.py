@@ -91,3 +91,18 @@ def test_bad_input():
         emu(*c[:5])
     with pytest.raises(RuntimeError, match="takes bfloat16 or float16"):
         emu(q.float(), k.float(), v.float(), past, packed)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_per_request_prefix_length(backend):
+    """Rows between a request's valid prefix and the shared tree start are invisible."""
+    q, k, v, past, packed, visible = case(9, past=(30, 30))
+    prefix = torch.tensor([30, 12])
+    dev = "cpu" if backend == "cpu" else kernel_device(backend)
+    ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
+    got = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), past.to(dev), packed.to(dev), None,
+                             prefix.to(dev)).cpu()
+    truth = reference.tree_attention(q.double(), k.double(), v.double(), past, visible, None, prefix)
+    own = reference.tree_attention(q, k, v, past, visible, None, prefix)
+    floor = 2 * torch.finfo(q.dtype).eps * truth.abs().max().item()
+    assert (got.double() - truth).abs().max() <= 2 * (own.double() - truth).abs().max() + floor

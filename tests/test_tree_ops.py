@@ -385,3 +385,18 @@ def test_commit_kv_bad_input():
         commit(cache, torch.full((3,), 39), accepted, torch.full((3,), 2).clamp(max=lengths), "BHSD")
     with pytest.raises(RuntimeError, match=r"past_len must have shape \[B\]"):
         commit(cache, past[:2], accepted, lengths, "BHSD")
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_commit_kv_to_a_per_request_destination(backend):
+    """Batched caches: the tree starts at a shared row, each path lands at its request's length."""
+    cache, past, accepted, lengths = random_commit_case(4, "BHSD", torch.float32)
+    past = torch.full((3,), 20)
+    dst = torch.tensor([20, 11, 3])
+    expected = reference.commit_kv(cache, past, accepted, lengths, "BHSD", dst)
+    dev = device_for(backend)
+    moved = cache.clone().to(dev)
+    ops_for(backend).commit_kv_(moved, past.to(dev), accepted.to(dev), lengths.to(dev), "BHSD", dst.to(dev))
+    assert torch.equal(moved.cpu(), expected)
+    with pytest.raises(RuntimeError, match=r"dst_len must be in \[0, past_len\]"):
+        torch.ops.ddtree.commit_kv_(cache, past, accepted, lengths, "BHSD", past + 1)

@@ -272,3 +272,17 @@ def test_device_mismatch_is_rejected():
     parents, counts, start = _sample_args()
     with pytest.raises(RuntimeError, match="num_nodes must be on cuda"):
         torch.ops.ddtree.tree_visibility(parents.cuda(), counts, start.cuda())
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_mask_with_per_request_prefix(backend, dtype):
+    """A batch sharing one tree start (past) whose requests have fewer valid cache rows."""
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3, -1], [-1, 0, 1, 2, -1, -1, -1]])
+    counts = torch.tensor([6, 4])
+    prefix = torch.tensor([9, 4])
+    dev = kernel_device(backend) if backend != "cpu" else "cpu"
+    got = OPS[backend].tree_attention_mask(parents.to(dev), counts.to(dev), 9, dtype,
+                                           prefix.to(dev)).cpu()
+    assert torch.equal(got, reference.tree_attention_mask(parents, counts, 9, dtype, prefix))
+    assert (got[1, 0, :, 4:9] == torch.finfo(dtype).min).all() and (got[1, 0, :, :4] == 0).all()

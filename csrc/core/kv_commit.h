@@ -1,6 +1,7 @@
 // KV-cache compaction after verification (SPEC §6): for j < accept_len, row past + path[j]
-// moves to past + j. In place and safe row by row in increasing j, because path[j] >= j and
-// paths increase: a source row is never a row already written.
+// moves to dst + j (dst = past unless a batch keeps per-request valid lengths below the shared
+// tree start). In place and safe row by row in increasing j, because dst <= past, path[j] >= j
+// and paths increase: a source row is never a row already written.
 #pragma once
 
 #include "core/common.h"
@@ -12,11 +13,16 @@ struct CommitKvParams {
   int elem_bytes = 2;      // 2, 4 or 8 (the copy is dtype-agnostic)
   int64_t batch = 0, heads = 0, seq = 0, dim = 0;
   int64_t stride_b = 0, stride_h = 0, stride_s = 0;
-  const int64_t* past_len = nullptr;    // [B]
+  const int64_t* past_len = nullptr;    // [B] where the tree rows start
+  const int64_t* dst_len = nullptr;     // [B] where the path goes (<= past_len); null: past_len
   const int64_t* accepted = nullptr;    // [B, A] tree node indices, root first
   const int64_t* accept_len = nullptr;  // [B]
   int64_t width = 0;                    // A
 };
+
+DDTREE_HOST_DEVICE int64_t kv_destination(const CommitKvParams& p, int64_t b) {
+  return p.dst_len ? p.dst_len[b] : p.past_len[b];
+}
 
 // Offset (elements) of row s of head h of request b.
 DDTREE_HOST_DEVICE int64_t kv_row_offset(const CommitKvParams& p, int64_t b, int64_t h, int64_t s) {

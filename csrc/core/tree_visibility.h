@@ -22,8 +22,14 @@ struct TreeVisibilityParams {
   void* mask = nullptr;           // [B, 1, N, past + N], additive: 0 visible, `mask_blocked` not
   int mask_elem_bytes = 4;        // 2 (fp16 / bf16), 4 (fp32) or 8 (fp64)
   uint64_t mask_blocked = 0;      // bit pattern of the blocked value (dtype's lowest finite)
-  int64_t past = 0;               // columns before the tree block, all visible
+  int64_t past = 0;               // columns before the tree block
+  const int64_t* prefix_len = nullptr;  // [B] visible prefix columns (<= past); null: all past
 };
+
+// Whether prefix column c (< past) of request b is visible: the request's valid cache rows.
+DDTREE_HOST_DEVICE bool prefix_visible(const TreeVisibilityParams& p, int64_t b, int64_t c) {
+  return !p.prefix_len || c < p.prefix_len[b];
+}
 
 template <class index_t>
 DDTREE_HOST_DEVICE int64_t load_parent(const TreeVisibilityParams& p, int64_t b, int64_t i) {

@@ -26,11 +26,11 @@ void commit_kv_slices(const CommitKvParams& p, int64_t begin, int64_t end) {
   const size_t row_bytes = static_cast<size_t>(p.dim) * p.elem_bytes;
   for (int64_t slice = begin; slice < end; ++slice) {
     const int64_t b = slice / p.heads, h = slice % p.heads;
-    const int64_t past = p.past_len[b];
+    const int64_t past = p.past_len[b], dst = kv_destination(p, b);
     const int64_t* path = p.accepted + b * p.width;
-    for (int64_t j = 1; j < p.accept_len[b]; ++j) {
-      if (path[j] == j) continue;
-      std::memcpy(cache + kv_row_offset(p, b, h, past + j) * p.elem_bytes,
+    for (int64_t j = 0; j < p.accept_len[b]; ++j) {
+      if (past + path[j] == dst + j) continue;
+      std::memcpy(cache + kv_row_offset(p, b, h, dst + j) * p.elem_bytes,
                   cache + kv_row_offset(p, b, h, past + path[j]) * p.elem_bytes, row_bytes);
     }
   }

@@ -1,5 +1,6 @@
 #include "cpu/tree_visibility.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -8,9 +9,11 @@ namespace {
 
 // One additive-mask row: zeros over the prefix, then 0 / blocked per tree column.
 template <class elem_t>
-void write_mask_row(elem_t* row, const TreeVisibilityParams& p, const uint32_t* bits) {
+void write_mask_row(elem_t* row, const TreeVisibilityParams& p, int64_t b, const uint32_t* bits) {
   const elem_t blocked = static_cast<elem_t>(p.mask_blocked);
-  std::memset(row, 0, p.past * sizeof(elem_t));
+  const int64_t open = p.prefix_len ? std::min(p.prefix_len[b], p.past) : p.past;
+  std::memset(row, 0, open * sizeof(elem_t));
+  for (int64_t c = open; c < p.past; ++c) row[c] = blocked;
   elem_t* tree = row + p.past;
   for (int64_t j = 0; j < p.n; ++j) tree[j] = row_bit(bits, j) ? elem_t(0) : blocked;
 }
@@ -32,9 +35,9 @@ void rows_impl(const TreeVisibilityParams& p, int64_t row_begin, int64_t row_end
     if (p.mask) {
       const int64_t base = row * (p.past + n);
       switch (p.mask_elem_bytes) {
-        case 2: write_mask_row(static_cast<uint16_t*>(p.mask) + base, p, bits.data()); break;
-        case 4: write_mask_row(static_cast<uint32_t*>(p.mask) + base, p, bits.data()); break;
-        default: write_mask_row(static_cast<uint64_t*>(p.mask) + base, p, bits.data()); break;
+        case 2: write_mask_row(static_cast<uint16_t*>(p.mask) + base, p, b, bits.data()); break;
+        case 4: write_mask_row(static_cast<uint32_t*>(p.mask) + base, p, b, bits.data()); break;
+        default: write_mask_row(static_cast<uint64_t*>(p.mask) + base, p, b, bits.data()); break;
       }
     }
   }

@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(kVisThreads)
       const int64_t base = (b * n + row0) * cols;
       for (int64_t k = tid; k < rows * cols; k += nthreads) {
         const int64_t r = k / cols, c = k - r * cols;
-        store_mask_value(p, base + k, c < p.past || row_bit(bits + r * words, c - p.past));
+        store_mask_value(p, base + k, c < p.past ? prefix_visible(p, b, c)
+                                                 : row_bit(bits + r * words, c - p.past));
       }
     }
     __syncthreads();

@@ -166,7 +166,8 @@ void check_commit_values(const char* op, const Tensor& past, const Tensor& accep
 
 template <Backend kBackend>
 void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accepted,
-                const Tensor& accept_len, c10::string_view layout) {
+                const Tensor& accept_len, c10::string_view layout,
+                const c10::optional<Tensor>& dst_len) {
   constexpr const char* op = "commit_kv_";
   TORCH_CHECK(layout == "BHSD" || layout == "BSHD", op, ": layout must be \"BHSD\" or \"BSHD\", got \"",
               std::string(layout), "\"");
@@ -191,7 +192,19 @@ void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accep
                                 {"accepted", &accepted}, {"accept_len", &accept_len}})
     check_same_device(op, name, *t, cache);
   const Tensor past = as_long(past_len), path = as_long(accepted), len = as_long(accept_len);
-  if (should_validate_values(cache)) check_commit_values(op, past, path, len, S);
+  Tensor dst;
+  if (dst_len.has_value() && dst_len->defined()) {
+    check_index_tensor(op, "dst_len", *dst_len);
+    check_shape(op, "dst_len", *dst_len, {B}, "[B]");
+    check_same_device(op, "dst_len", *dst_len, cache);
+    dst = as_long(*dst_len);
+  }
+  if (should_validate_values(cache)) {
+    check_commit_values(op, past, path, len, S);
+    if (dst.defined())
+      TORCH_CHECK(dst.ge(0).logical_and(dst.le(past)).all().item<bool>(), op,
+                  ": dst_len must be in [0, past_len] for every request");
+  }
   CommitKvParams p;
   p.cache = cache.data_ptr();
   p.elem_bytes = static_cast<int>(elem);
@@ -205,6 +218,7 @@ void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accep
   p.past_len = past.data_ptr<int64_t>();
   p.accepted = path.data_ptr<int64_t>();
   p.accept_len = len.data_ptr<int64_t>();
+  p.dst_len = dst.defined() ? dst.data_ptr<int64_t>() : nullptr;
   p.width = path.size(1);
   run_op<kBackend>(op, kCommitKernels, p, cache, B * H, 4);
 }

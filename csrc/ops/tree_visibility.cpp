@@ -98,7 +98,7 @@ uint64_t lowest_bits(at::ScalarType dtype) {
 
 template <Backend kBackend>
 Tensor tree_attention_mask(const Tensor& parents, const Tensor& num_nodes, int64_t past,
-                           at::ScalarType dtype) {
+                           at::ScalarType dtype, const c10::optional<Tensor>& prefix_len) {
   constexpr const char* op = "tree_attention_mask";
   TORCH_CHECK(past >= 0, op, ": past must be >= 0, got ", past);
   const uint64_t blocked = lowest_bits(dtype);
@@ -110,6 +110,15 @@ Tensor tree_attention_mask(const Tensor& parents, const Tensor& num_nodes, int64
   p.mask_elem_bytes = static_cast<int>(c10::elementSize(dtype));
   p.mask_blocked = blocked;
   p.past = past;
+  Tensor prefix;
+  if (prefix_len.has_value() && prefix_len->defined()) {
+    check_index_tensor(op, "prefix_len", *prefix_len);
+    TORCH_CHECK(prefix_len->dim() == 1 && prefix_len->size(0) == B, op,
+                ": prefix_len must have shape [B] = [", B, "], got ", prefix_len->sizes());
+    check_same_device(op, "prefix_len", *prefix_len, parents);
+    prefix = prefix_len->to(at::kLong).contiguous();
+    p.prefix_len = prefix.data_ptr<int64_t>();
+  }
   run<kBackend>(op, p, parents);
   return mask;
 }

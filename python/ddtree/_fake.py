@@ -13,7 +13,7 @@ def _register(namespace: str) -> None:
         )
 
     @torch.library.register_fake(f"{namespace}::tree_attention_mask")
-    def _tree_attention_mask(parents, num_nodes, past, dtype):
+    def _tree_attention_mask(parents, num_nodes, past, dtype, prefix_len=None):
         b, n = parents.shape
         return parents.new_empty((b, 1, n, past + n), dtype=dtype)
 
@@ -59,7 +59,7 @@ def _register(namespace: str) -> None:
         return None
 
     @torch.library.register_fake(f"{namespace}::tree_attention")
-    def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None):
+    def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None, prefix_len=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(f"{namespace}::draft_attention")
@@ -68,7 +68,7 @@ def _register(namespace: str) -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(f"{namespace}::commit_kv_")
-    def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD"):
+    def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD", dst_len=None):
         return None
 
 

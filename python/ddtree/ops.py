@@ -34,11 +34,13 @@ def tree_visibility(
 
 
 def tree_attention_mask(
-    parents: torch.Tensor, num_nodes: torch.Tensor, past: int, dtype: torch.dtype = torch.float32
+    parents: torch.Tensor, num_nodes: torch.Tensor, past: int, dtype: torch.dtype = torch.float32,
+    prefix_len: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Additive attention mask [B, 1, N, past + N]: 0 for the `past` prefix columns and for
-    visible tree nodes, ``torch.finfo(dtype).min`` elsewhere."""
-    return torch.ops.ddtree.tree_attention_mask(parents, num_nodes, int(past), dtype)
+    """Additive attention mask [B, 1, N, past + N]: 0 for the `past` prefix columns (only the first
+    prefix_len[b] of them when given: a batch whose requests have fewer valid cache rows than the
+    shared tree start) and for visible tree nodes, ``torch.finfo(dtype).min`` elsewhere."""
+    return torch.ops.ddtree.tree_attention_mask(parents, num_nodes, int(past), dtype, prefix_len)
 
 
 class DraftTree(NamedTuple):
@@ -125,10 +127,12 @@ def commit_kv_(
     accepted: torch.Tensor,
     accept_len: torch.Tensor,
     layout: str = "BHSD",
+    dst_len: Optional[torch.Tensor] = None,
 ) -> None:
-    """In place (SPEC §6): cache rows past + accepted[j] move to past + j for j < accept_len.
-    layout "BHSD" ([B, H, S, D]) or "BSHD"; the caller then sets its length to past + accept_len."""
-    torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout)
+    """In place (SPEC §6): cache rows past + accepted[j] move to dst + j for j < accept_len
+    (dst = dst_len[b] when given, else past_len[b]). layout "BHSD" ([B, H, S, D]) or "BSHD"; the
+    caller then sets each request's length to dst + accept_len."""
+    torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout, dst_len)
 
 
 def tree_topk(logits: torch.Tensor, k: int):
@@ -183,13 +187,16 @@ def commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
                                        accept_len)
 
 
-def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None):
+def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None,
+                   prefix_len: Optional[torch.Tensor] = None):
     """Verify-pass attention (no dense mask): q [B, N, Hq, D] of the tree rows; k_cache / v_cache
     [B, Hkv, S, D] holding each request's prefix [0, past_len) followed by the tree rows; packed
     visibility rows [B, N, ceil(N/32)] (tree_visibility). Prefix fully visible, tree block per the
     bits; GQA; scale defaults to 1/sqrt(D). Returns [B, N, Hq, D]. CUDA: bf16 / fp16, D in
-    {64, 128, 256}, mma.sync tiles."""
-    return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, past_len, packed, scale)
+    {64, 128, 256}, mma.sync tiles. prefix_len [B]: only the first prefix_len[b] prefix rows are
+    visible (batched caches whose requests have fewer valid rows than the shared tree start)."""
+    return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, past_len, packed, scale,
+                                           prefix_len)
 
 
 def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,

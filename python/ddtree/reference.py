@@ -60,12 +60,17 @@ def tree_visibility(
 
 
 def tree_attention_mask(
-    parents: torch.Tensor, num_nodes: torch.Tensor, past: int, dtype: torch.dtype = torch.float32
+    parents: torch.Tensor, num_nodes: torch.Tensor, past: int, dtype: torch.dtype = torch.float32,
+    prefix_len=None,
 ) -> torch.Tensor:
-    """Additive mask [B, 1, N, past + N]: 0 on the prefix and visible nodes, finfo.min elsewhere."""
+    """Additive mask [B, 1, N, past + N]: 0 on the (first prefix_len[b] columns of the) prefix and
+    on visible nodes, finfo.min elsewhere."""
     vis = tree_visibility_bool(parents, num_nodes)
     batch, n, _ = vis.shape
     mask = torch.zeros(batch, 1, n, past + n, dtype=dtype)
+    if prefix_len is not None:
+        for b in range(batch):
+            mask[b, :, :, int(prefix_len[b]):past] = torch.finfo(dtype).min
     mask[:, 0, :, past:] = torch.where(
         vis, torch.zeros((), dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     )
@@ -153,15 +158,16 @@ def verify_greedy(node_tokens, parents, num_nodes, target_tokens, max_depth: int
     return accepted, lengths, bonus
 
 
-def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD"):
-    """SPEC §6 on a copy: rows past + accepted[j] -> past + j for j < accept_len."""
+def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD", dst_len=None):
+    """SPEC §6 on a copy: rows past + accepted[j] -> dst + j for j < accept_len."""
     out = cache.clone()
     view = out if layout == "BHSD" else out.transpose(1, 2)
     src = cache if layout == "BHSD" else cache.transpose(1, 2)
     for b in range(cache.shape[0]):
         past = int(past_len[b])
         for j in range(int(accept_len[b])):
-            view[b, :, past + j] = src[b, :, past + int(accepted[b, j])]
+            dst = past if dst_len is None else int(dst_len[b])
+            view[b, :, dst + j] = src[b, :, past + int(accepted[b, j])]
     return out
 
 
@@ -319,7 +325,7 @@ def commit_recurrent(state, conv_state, slots, k, v, g, beta, conv_x, accepted, 
     return state, conv_state
 
 
-def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None):
+def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None, prefix_len=None):
     """SDPA with an explicit dense mask per request: prefix [0, past) visible, tree block per the
     bool visibility [B, N, N], nothing beyond. q [B, N, Hq, D], caches [B, Hkv, S, D]."""
     batch, n, hq, d = q.shape
@@ -328,7 +334,7 @@ def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None):
     for b in range(batch):
         past = int(past_len[b])
         mask = torch.zeros(n, s, dtype=torch.bool)
-        mask[:, :past] = True
+        mask[:, :past if prefix_len is None else int(prefix_len[b])] = True
         mask[:, past: past + n] = visible[b]
         k = k_cache[b].repeat_interleave(hq // hkv, 0)
         v = v_cache[b].repeat_interleave(hq // hkv, 0)
