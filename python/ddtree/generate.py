@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import hf, hybrid, ops
 
@@ -64,12 +65,12 @@ class _Sampler:
         self.depth = depth
         self.offset = 0
 
-    def verify(self, tree: ops.DraftTree, logits: torch.Tensor) -> ops.GreedyVerdict:
+    def verify(self, tree: ops.DraftTree, logits: torch.Tensor, seed=None) -> ops.GreedyVerdict:
         if self.temperature <= 0:
             return ops.verify_greedy(tree, logits.argmax(-1), self.depth)
         self.offset += 1
         return ops.verify_sample(tree, logits.float(), self.depth, self.temperature, self.top_k,
-                                 self.top_p, self.seed, self.offset)
+                                 self.top_p, self.seed if seed is None else seed, self.offset)
 
 
 def _no_context():
@@ -99,7 +100,8 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
         raise ValueError(f"generate: input_ids must be a non-empty [1, P] prompt, got shape "
                          f"{tuple(input_ids.shape)}")
     if input_ids.shape[0] != 1:
-        raise NotImplementedError("generate: batch > 1 is not supported yet (run one prompt per call)")
+        raise ValueError("generate: input_ids must hold one prompt [1, P]; for a batch pass a list of "
+                         "prompts to generate_batch (they may differ in length)")
     if budget < 0:
         raise ValueError(f"generate: budget must be >= 0, got {budget}")
     if max_new_tokens < 1:
@@ -199,3 +201,152 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
             break
     tokens = tokens[:max_new_tokens]
     return GenerationResult(tokens, lengths, time.perf_counter() - started, stages)
+
+
+def _merge_caches(target, caches, lengths):
+    """One batched cache from per-request prefill caches: attention layers right-padded to the
+    longest prompt (padding rows are masked by prefix_len), linear-attention states stacked."""
+    from transformers import DynamicCache
+
+    merged = DynamicCache(config=target.config)
+    longest = max(lengths)
+    for i, layer in enumerate(merged.layers):
+        parts = [c.layers[i] for c in caches]
+        if getattr(parts[0], "keys", None) is not None:
+            pad = [(0, 0, 0, longest - int(n)) for n in lengths]
+            keys = torch.cat([F.pad(p.keys, pd) for p, pd in zip(parts, pad)])
+            values = torch.cat([F.pad(p.values, pd) for p, pd in zip(parts, pad)])
+            merged.update(keys, values, i)
+        else:
+            merged.update_conv_state(torch.cat([p.conv_states[0] for p in parts]), i)
+            merged.update_recurrent_state(torch.cat([p.recurrent_states[0] for p in parts]), i)
+    return merged
+
+
+@torch.no_grad()
+def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "tree",
+                   budget=64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   stop_token_ids: Iterable[int] = (), seed: int = 0,
+                   streamer: Optional[Callable[[int, List[int]], None]] = None
+                   ) -> List[GenerationResult]:
+    """Batched `generate`: prompts of different lengths (list of token lists / 1-D tensors) and
+    per-request budgets (int or list). The requests share one KV cache whose rows past a request's
+    valid length are padding (masked by prefix_len; paths committed to each request's length).
+    Returns one GenerationResult per request; streamer(request, new_tokens)."""
+    if mode not in MODES:
+        raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
+    prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+    if not prompts or any(p.numel() == 0 for p in prompts):
+        raise ValueError("generate: every prompt must be non-empty")
+    budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
+    if len(budgets) != len(prompts) or min(budgets) < 0:
+        raise ValueError("generate: budget must be >= 0, one int or one per prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    is_hybrid = _check_target(target)
+    speculative = mode != "autoregressive"
+    if speculative:
+        if drafter is None:
+            raise ValueError(f"generate: mode '{mode}' needs a drafter")
+        if hasattr(drafter, "check_target"):
+            drafter.check_target(target)
+    from transformers import DynamicCache
+
+    device = target.get_input_embeddings().weight.device
+    batch = len(prompts)
+    depth = drafter.block_size - 1 if speculative else 0
+    seeds = torch.tensor([seed * 1000003 + b for b in range(batch)], device=device)
+    sampler = _Sampler(temperature, top_k, top_p, seeds, depth)
+    started = time.perf_counter()
+    stops = set(int(t) for t in stop_token_ids)
+    caches, features, first = [], [], []
+    for b, prompt in enumerate(prompts):
+        cache = DynamicCache(config=target.config)
+        out = target(input_ids=prompt[None].to(device), past_key_values=cache, use_cache=True,
+                     output_hidden_states=speculative)
+        verdict = sampler.verify(_root_only_tree(prompt[-1:].to(device)), out.logits[:, -1:],
+                                 seed=seeds[b:b + 1])
+        first.append(verdict.bonus)
+        caches.append(cache)
+        if speculative:
+            features.append(drafter.target_features(out.hidden_states))
+    valid = torch.tensor([p.numel() for p in prompts], device=device)
+    cache = _merge_caches(target, caches, valid.tolist())
+    phys = int(valid.max())
+    bonus = torch.cat(first)
+    draft_caches = [drafter.new_cache() for _ in range(batch)] if speculative else None
+    tokens = [[int(t)] for t in bonus.tolist()]
+    lengths: List[List[int]] = [[] for _ in range(batch)]
+    if streamer:
+        for b in range(batch):
+            streamer(b, list(tokens[b]))
+    budget_t = torch.tensor(budgets, device=device)
+
+    def finished(b) -> bool:
+        return len(tokens[b]) >= max_new_tokens or any(t in stops for t in tokens[b])
+
+    while not all(finished(b) for b in range(batch)):
+        if speculative:
+            logits = torch.cat([drafter.propose(target, bonus[b:b + 1], features[b], draft_caches[b])
+                                for b in range(batch)])
+            if mode == "chain":
+                tree, vis = ops.draft_to_tree(logits, bonus, depth, start=valid, k=1)
+            else:
+                tree, vis = ops.draft_to_tree(logits, bonus, max(budgets), start=valid,
+                                              budgets=budget_t)
+        else:
+            none = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+            tree = ops.DraftTree(bonus[:, None].clone(), none, none + 1, none, none,
+                                 torch.ones(batch, dtype=torch.long, device=device))
+            vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
+        n = tree.node_tokens.shape[1]
+        if hf.uses_tree_attention(target):
+            mask = vis.packed[:, None]
+        else:
+            mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, phys,
+                                           target.get_input_embeddings().weight.dtype, valid)
+        tree_pass = hybrid.TreePass(tree, depth)
+        with hybrid.tree_verification(target, tree_pass) if is_hybrid else _no_context(), \
+                hf.batch_prefix(valid):
+            out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
+                         attention_mask={"full_attention": mask, "linear_attention": None}
+                         if is_hybrid else mask,
+                         past_key_values=cache, use_cache=True, output_hidden_states=speculative)
+        verdict = sampler.verify(tree, out.logits)
+        start = torch.full((batch,), phys, dtype=torch.long, device=device)
+        new_valid = valid + verdict.accept_len
+        new_phys = int(new_valid.max())
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is None:
+                continue
+            ops.commit_kv_(layer.keys, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
+            ops.commit_kv_(layer.values, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
+            if phys + n > new_phys:
+                layer.crop(-(phys + n - new_phys))
+        if is_hybrid:
+            hybrid.commit(cache, tree_pass, verdict)
+        accepted, accept_len = verdict.accepted.tolist(), verdict.accept_len.tolist()
+        if speculative:
+            all_features = drafter.target_features(out.hidden_states)
+        for b in range(batch):
+            path = accepted[b][: accept_len[b]]
+            if speculative:
+                features[b] = all_features[b:b + 1, path]
+            if finished(b):
+                continue
+            new = tree.node_tokens[b, path[1:]].tolist() + [int(verdict.bonus[b])]
+            lengths[b].append(len(new))
+            tokens[b].extend(new)
+            if streamer:
+                streamer(b, new)
+        valid, phys, bonus = new_valid, new_phys, verdict.bonus
+    seconds = time.perf_counter() - started
+    results = []
+    for b in range(batch):
+        toks = tokens[b]
+        for i, t in enumerate(toks):
+            if t in stops:
+                toks = toks[: i + 1]
+                break
+        results.append(GenerationResult(toks[:max_new_tokens], lengths[b], seconds))
+    return results

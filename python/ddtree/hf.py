@@ -8,11 +8,26 @@ built. Every other call (prefill, autoregressive steps) goes to transformers' SD
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from .ops import tree_attention
 
 NAME = "ddtree"
+# Per-request valid prefix lengths of a batched verify pass (rows between a request's length and
+# the shared tree start are padding); set by the batched loop around the target's forward.
+_PREFIX_LEN: contextvars.ContextVar = contextvars.ContextVar("ddtree_prefix_len", default=None)
+
+
+@contextlib.contextmanager
+def batch_prefix(prefix_len):
+    token = _PREFIX_LEN.set(prefix_len)
+    try:
+        yield
+    finally:
+        _PREFIX_LEN.reset(token)
 
 
 def is_tree_mask(mask) -> bool:
@@ -33,13 +48,17 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     past = torch.full((batch,), key.shape[2] - n, dtype=torch.long, device=key.device)
     kernel_ok = query.device.type == "cpu" or (
         query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] in (64, 128, 256))
+    prefix = _PREFIX_LEN.get()
     if kernel_ok:
-        return tree_attention(query.transpose(1, 2), key, value, past, packed, scaling), None
+        return tree_attention(query.transpose(1, 2), key, value, past, packed, scaling, prefix), None
     # No kernel for this dtype / head size on this device: dense mask from the packed bits.
     bits = (packed[..., None] >> torch.arange(32, device=packed.device, dtype=torch.int32)) & 1
     tree = bits.flatten(-2)[..., :n].bool()                        # [B, N, N]
     mask = torch.ones(batch, 1, n, key.shape[2], dtype=torch.bool, device=key.device)
     mask[:, 0, :, key.shape[2] - n:] = tree
+    if prefix is not None:
+        cols = torch.arange(key.shape[2] - n, device=key.device)
+        mask[:, 0, :, : key.shape[2] - n] = (cols[None, :] < prefix[:, None])[:, None, :]
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
