@@ -85,7 +85,6 @@ def _root_only_tree(token: torch.Tensor) -> ops.DraftTree:
                          torch.ones(1, dtype=torch.long, device=token.device))
 
 
-@torch.no_grad()
 def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode: str = "tree",
              budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids: Iterable[int] = (), seed: int = 0,
@@ -93,9 +92,8 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
     """Generates up to max_new_tokens after input_ids [1, P]. At temperature 0 the tokens equal the
     target's own greedy decoding; at temperature > 0 they are distributed as the target's sampling
     (temperature, top-k, top-p). mode "chain" verifies DFlash's single chain (K = 1), "tree" the
-    optimal tree of `budget` nodes, "autoregressive" runs the target alone."""
-    if mode not in MODES:
-        raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
+    optimal tree of `budget` nodes, "autoregressive" runs the target alone. (One request of
+    generate_batch.)"""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be a non-empty [1, P] prompt, got shape "
                          f"{tuple(input_ids.shape)}")
@@ -104,103 +102,9 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
                          "prompts to generate_batch (they may differ in length)")
     if budget < 0:
         raise ValueError(f"generate: budget must be >= 0, got {budget}")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    is_hybrid = _check_target(target)
-    if mode != "autoregressive":
-        if drafter is None:
-            raise ValueError(f"generate: mode '{mode}' needs a drafter")
-        check = getattr(drafter, "check_target", None)
-        if check is not None:
-            check(target)
-    from transformers import DynamicCache
-
-    stops = set(int(t) for t in stop_token_ids)
-    depth = drafter.block_size - 1 if drafter is not None else 0
-    sampler = _Sampler(temperature, top_k, top_p, seed, depth)
-    stages = dict(draft=0.0, tree=0.0, verify=0.0, commit=0.0)
-    started = time.perf_counter()
-    device = input_ids.device
-    cache = DynamicCache(config=target.config)
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                 output_hidden_states=mode != "autoregressive")
-    first = sampler.verify(_root_only_tree(input_ids[0, -1]), out.logits[:, -1:]).bonus
-    tokens: List[int] = [int(first[0])]
-    lengths: List[int] = []
-    if streamer:
-        streamer(list(tokens))
-    past = input_ids.shape[1]
-    bonus = first
-    draft_cache = drafter.new_cache() if mode != "autoregressive" else None
-    features = drafter.target_features(out.hidden_states) if mode != "autoregressive" else None
-
-    def done() -> bool:
-        return len(tokens) >= max_new_tokens or any(t in stops for t in tokens)
-
-    while not done():
-        if mode == "autoregressive":
-            t0 = time.perf_counter()
-            pos = torch.full((1, 1), past, device=device)
-            out = target(input_ids=bonus.view(1, 1), position_ids=pos, past_key_values=cache,
-                         use_cache=True)
-            bonus = sampler.verify(_root_only_tree(bonus), out.logits).bonus
-            stages["verify"] += time.perf_counter() - t0
-            past += 1
-            new = [int(bonus[0])]
-        else:
-            t0 = time.perf_counter()
-            draft_logits = drafter.propose(target, bonus, features, draft_cache)
-            t1 = time.perf_counter()
-            if mode == "chain":
-                tree, vis = ops.draft_to_tree(draft_logits, bonus, depth, start=past, k=1)
-            else:
-                tree, vis = ops.draft_to_tree(draft_logits, bonus, budget, start=past)
-            if hf.uses_tree_attention(target):  # packed rows, read by the tree_attention op
-                mask = vis.packed[:, None]
-            else:
-                dtype = target.get_input_embeddings().weight.dtype
-                mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, past, dtype)
-            t2 = time.perf_counter()
-            tree_pass = hybrid.TreePass(tree, depth)
-            with hybrid.tree_verification(target, tree_pass) if is_hybrid else _no_context():
-                out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
-                             attention_mask={"full_attention": mask, "linear_attention": None}
-                             if is_hybrid else mask,
-                             past_key_values=cache, use_cache=True, output_hidden_states=True)
-            verdict = sampler.verify(tree, out.logits)
-            t3 = time.perf_counter()
-            accepted = int(verdict.accept_len[0])
-            past_t = torch.full((1,), past, dtype=torch.long, device=device)
-            surplus = tree.node_tokens.shape[1] - accepted  # tree rows beyond the accepted path
-            for layer in cache.layers:
-                if getattr(layer, "keys", None) is None:
-                    continue  # linear-attention layers: committed below
-                ops.commit_kv_(layer.keys, past_t, verdict.accepted, verdict.accept_len)
-                ops.commit_kv_(layer.values, past_t, verdict.accepted, verdict.accept_len)
-                if surplus > 0:
-                    layer.crop(-surplus)
-            if is_hybrid:
-                hybrid.commit(cache, tree_pass, verdict)
-            path = verdict.accepted[0, :accepted]
-            features = drafter.target_features(out.hidden_states)[:, path]
-            past += accepted
-            bonus = verdict.bonus
-            new = tree.node_tokens[0, path[1:]].tolist() + [int(bonus[0])]
-            t4 = time.perf_counter()
-            stages["draft"] += t1 - t0
-            stages["tree"] += t2 - t1
-            stages["verify"] += t3 - t2
-            stages["commit"] += t4 - t3
-        lengths.append(len(new))
-        tokens.extend(new)
-        if streamer:
-            streamer(new)
-    for i, t in enumerate(tokens):  # stop inside an accepted path: drop what follows it
-        if t in stops:
-            tokens = tokens[: i + 1]
-            break
-    tokens = tokens[:max_new_tokens]
-    return GenerationResult(tokens, lengths, time.perf_counter() - started, stages)
+    return generate_batch(target, drafter, [input_ids[0]], max_new_tokens, mode, budget,
+                          temperature, top_k, top_p, stop_token_ids, seed,
+                          (lambda _, new: streamer(new)) if streamer else None)[0]
 
 
 def _merge_caches(target, caches, lengths):
@@ -285,10 +189,14 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     def finished(b) -> bool:
         return len(tokens[b]) >= max_new_tokens or any(t in stops for t in tokens[b])
 
+    stages = dict(draft=0.0, tree=0.0, verify=0.0, commit=0.0)
     while not all(finished(b) for b in range(batch)):
+        t0 = time.perf_counter()
         if speculative:
             logits = torch.cat([drafter.propose(target, bonus[b:b + 1], features[b], draft_caches[b])
                                 for b in range(batch)])
+        t1 = time.perf_counter()
+        if speculative:
             if mode == "chain":
                 tree, vis = ops.draft_to_tree(logits, bonus, depth, start=valid, k=1)
             else:
@@ -300,6 +208,7 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
                                  torch.ones(batch, dtype=torch.long, device=device))
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
         n = tree.node_tokens.shape[1]
+        t2 = time.perf_counter()
         if hf.uses_tree_attention(target):
             mask = vis.packed[:, None]
         else:
@@ -313,6 +222,7 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
                          if is_hybrid else mask,
                          past_key_values=cache, use_cache=True, output_hidden_states=speculative)
         verdict = sampler.verify(tree, out.logits)
+        t3 = time.perf_counter()
         start = torch.full((batch,), phys, dtype=torch.long, device=device)
         new_valid = valid + verdict.accept_len
         new_phys = int(new_valid.max())
@@ -340,6 +250,8 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
             if streamer:
                 streamer(b, new)
         valid, phys, bonus = new_valid, new_phys, verdict.bonus
+        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
+            stages[name] += dt
     seconds = time.perf_counter() - started
     results = []
     for b in range(batch):
@@ -348,5 +260,5 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
             if t in stops:
                 toks = toks[: i + 1]
                 break
-        results.append(GenerationResult(toks[:max_new_tokens], lengths[b], seconds))
+        results.append(GenerationResult(toks[:max_new_tokens], lengths[b], seconds, dict(stages)))
     return results
