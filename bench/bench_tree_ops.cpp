@@ -66,18 +66,16 @@ int main() {
 
   std::printf("\n== verify_greedy / verify_sample (budget 64, L = 15, V = 32000 for sampling) ==\n");
   {
-    const int64_t batch = 64, budget = 64, n = budget + 1, vocab = 32000, width = 16;
-    DraftTopk d = random_topk(batch, 15, 64, 5);
-    TreeOutputs tree(batch, n);
-    BuildTreeParams bp = build_params(d, budget, tree);
-    cpu::build_tree_requests(bp, 0, batch);
-    const std::vector<int64_t> target = first_child_targets(tree, batch, n);
-    std::vector<int64_t> accepted(batch * width), len(batch), bonus(batch);
-    VerifyGreedyParams vp;
-    vp.walk = walk_params(tree.tokens.data(), tree.first_child.data(), tree.next_sibling.data(),
-                          tree.num_nodes.data(), batch, n, width, accepted.data(), len.data(),
-                          bonus.data());
-    vp.target_tokens = target.data();
+    const int64_t batch = 64, vocab = 32000, width = 16;
+    VerifySetup s;
+    verify_setup(s, batch, width);
+    const int64_t n = s.n;
+    const TreeOutputs& tree = s.tree;
+    const std::vector<int64_t>& target = s.target;
+    std::vector<int64_t>& accepted = s.accepted;
+    std::vector<int64_t>& len = s.len;
+    std::vector<int64_t>& bonus = s.bonus;
+    VerifyGreedyParams& vp = s.greedy;
     cpu::verify_greedy_requests(vp, 0, batch);
     if (!check_path(tree, n, accepted, len, width)) return fail("verify_greedy");
     for (int64_t b = 0; b < batch; ++b)

@@ -126,19 +126,15 @@ int main() {
 
   std::printf("\n== verify_greedy (B = 256) / verify_sample (B = 16, V = 32000), budget 64 ==\n");
   {
-    const int64_t batch = 256, budget = 64, n = budget + 1, vocab = 32000, sb = 16, width = 16;
-    DraftTopk d = random_topk(batch, 15, 64, 5);
-    TreeOutputs tree(batch, n);
-    BuildTreeParams bp = build_params(d, budget, tree);
-    cpu::build_tree_requests(bp, 0, batch);
-    const std::vector<int64_t> target = first_child_targets(tree, batch, n);
-    std::vector<int64_t> accepted(batch * width), len(batch), bonus(batch);
-    VerifyGreedyParams p;
-    p.walk = walk_params(tree.tokens.data(), tree.first_child.data(), tree.next_sibling.data(),
-                         tree.num_nodes.data(), batch, n, width, accepted.data(), len.data(),
-                         bonus.data());
-    p.target_tokens = target.data();
-    cpu::verify_greedy_requests(p, 0, batch);
+    const int64_t batch = 256, vocab = 32000, sb = 16, width = 16;
+    VerifySetup s;
+    verify_setup(s, batch, width);
+    const int64_t n = s.n;
+    const TreeOutputs& tree = s.tree;
+    const std::vector<int64_t>& target = s.target;
+    const std::vector<int64_t>& accepted = s.accepted;
+    const std::vector<int64_t>& len = s.len;
+    const std::vector<int64_t>& bonus = s.bonus;
     int64_t* d_acc = upload(accepted);
     int64_t* d_len = upload(len);
     int64_t* d_bonus = upload(bonus);

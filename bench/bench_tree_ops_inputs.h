@@ -11,6 +11,7 @@
 #include "core/tree_sample.h"
 #include "core/tree_topk.h"
 #include "core/tree_verify.h"
+#include "cpu/tree_ops.h"
 
 namespace ddtree::bench {
 
@@ -47,6 +48,7 @@ inline DraftTopk random_topk(int64_t batch, int64_t depth, int64_t k, uint64_t s
 // Host buffers of a built tree batch ([B, N] each, num_nodes [B]).
 struct TreeOutputs {
   std::vector<int64_t> tokens, parents, depths, first_child, next_sibling, num_nodes;
+  TreeOutputs() = default;
   TreeOutputs(int64_t batch, int64_t n)
       : tokens(batch * n), parents(batch * n), depths(batch * n), first_child(batch * n),
         next_sibling(batch * n), num_nodes(batch) {}
@@ -109,6 +111,38 @@ inline bool check_path(const TreeOutputs& t, int64_t n, const std::vector<int64_
   return true;
 }
 
+// A built tree batch (budget 64, L = 15), first-child targets and the CPU greedy verdict over it:
+// the common input of the verify benchmarks. Params point at this object's host buffers.
+struct VerifySetup {
+  VerifySetup() = default;
+  VerifySetup(const VerifySetup&) = delete;  // the params point into this object
+  int64_t batch = 0, n = 0, width = 0;
+  DraftTopk draft;
+  TreeOutputs tree;
+  std::vector<int64_t> target, accepted, len, bonus;
+  VerifyGreedyParams greedy;
+};
+
+inline void verify_setup(VerifySetup& s, int64_t batch, int64_t width) {
+  const int64_t budget = 64;
+  s.batch = batch;
+  s.n = budget + 1;
+  s.width = width;
+  s.draft = random_topk(batch, 15, 64, 5);
+  s.tree = TreeOutputs(batch, s.n);
+  BuildTreeParams bp = build_params(s.draft, budget, s.tree);
+  cpu::build_tree_requests(bp, 0, batch);
+  s.target = first_child_targets(s.tree, batch, s.n);
+  s.accepted.assign(batch * width, 0);
+  s.len.assign(batch, 0);
+  s.bonus.assign(batch, 0);
+  s.greedy.walk = walk_params(s.tree.tokens.data(), s.tree.first_child.data(),
+                              s.tree.next_sibling.data(), s.tree.num_nodes.data(), batch, s.n, width,
+                              s.accepted.data(), s.len.data(), s.bonus.data());
+  s.greedy.target_tokens = s.target.data();
+  cpu::verify_greedy_requests(s.greedy, 0, batch);
+}
+
 inline CommitKvParams commit_params(int64_t B, int64_t H, int64_t S, int64_t D, int64_t A) {
   CommitKvParams p;
   p.elem_bytes = 2;
@@ -137,9 +171,7 @@ inline RecurrentInputs recurrent_inputs(int64_t hv, int64_t channels) {
   RecurrentInputs r{n, hk, hv, dk, dv, channels, W, 0, TreeOutputs(1, n), {}, {}, {}, {}, {}, {}, {},
                     {}, {}, {}, {}, {}, {0}};
   BuildTreeParams p = build_params(d, budget, r.tree);
-  build_tree_request(p, 0, TreeBuildScratch{std::vector<TreeCandidate>(n).data(),
-                                            std::vector<int32_t>(n).data(),
-                                            std::vector<int16_t>(n).data()});
+  cpu::build_tree_requests(p, 0, 1);
   for (int64_t i = 0; i < n; ++i) r.depth = std::max(r.depth, r.tree.depths[i]);
   auto fill = [](std::vector<float>& v, size_t size, uint64_t seed, float lo, float hi) {
     Rng rng(seed);
