@@ -3,12 +3,14 @@ turns it into the optimal draft tree, the target verifies the whole tree in one 
 accepted path is committed.
 
 Supported now: dense decoder targets (Qwen3, Qwen2, Llama, Mistral) and hybrid Qwen3.5 text /
-Qwen3-Next models (Gated DeltaNet layers run over the tree, see ddtree.hybrid), batch 1,
-greedy and sampling. Verification attention: the "ddtree" attention implementation (`ddtree.hf.
+Qwen3-Next models (Gated DeltaNet layers run over the tree, see ddtree.hybrid), batches of
+prompts of different lengths (generate_batch; generate is one request of it), greedy and
+sampling. Verification attention: the "ddtree" attention implementation (`ddtree.hf.
 use_tree_attention(target)`: the tree_attention op on packed visibility rows), otherwise the
 target's own attention with the dense additive tree mask through transformers' 4-D mask path.
-Host synchronisation inside a round: reading the accepted length to crop the KV cache and to
-stream / stop (one `.tolist()` per round).
+Host synchronisation inside a round: one copy of the verdict (accepted paths, lengths, bonus
+tokens, tree tokens) to the host, needed to crop the shared KV cache, stream and stop. The
+drafter runs request by request (the requests' contexts differ in length).
 """
 from __future__ import annotations
 
@@ -175,8 +177,9 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
         if speculative:
             features.append(drafter.target_features(out.hidden_states))
     valid = torch.tensor([p.numel() for p in prompts], device=device)
-    cache = _merge_caches(target, caches, valid.tolist())
-    phys = int(valid.max())
+    valid_h = valid.tolist()
+    cache = _merge_caches(target, caches, valid_h)
+    phys = max(valid_h)
     bonus = torch.cat(first)
     draft_caches = [drafter.new_cache() for _ in range(batch)] if speculative else None
     tokens = [[int(t)] for t in bonus.tolist()]
@@ -223,9 +226,13 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
                          past_key_values=cache, use_cache=True, output_hidden_states=speculative)
         verdict = sampler.verify(tree, out.logits)
         t3 = time.perf_counter()
+        # The round's one host read: everything the host needs from the verdict.
+        accepted, accept_len, bonus_h, node_tokens = (
+            t.tolist() for t in (verdict.accepted, verdict.accept_len, verdict.bonus,
+                                 tree.node_tokens))
         start = torch.full((batch,), phys, dtype=torch.long, device=device)
         new_valid = valid + verdict.accept_len
-        new_phys = int(new_valid.max())
+        new_phys = max(v + a for v, a in zip(valid_h, accept_len))
         for layer in cache.layers:
             if getattr(layer, "keys", None) is None:
                 continue
@@ -235,7 +242,6 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
                 layer.crop(-(phys + n - new_phys))
         if is_hybrid:
             hybrid.commit(cache, tree_pass, verdict)
-        accepted, accept_len = verdict.accepted.tolist(), verdict.accept_len.tolist()
         if speculative:
             all_features = drafter.target_features(out.hidden_states)
         for b in range(batch):
@@ -244,12 +250,13 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
                 features[b] = all_features[b:b + 1, path]
             if finished(b):
                 continue
-            new = tree.node_tokens[b, path[1:]].tolist() + [int(verdict.bonus[b])]
+            new = [node_tokens[b][i] for i in path[1:]] + [bonus_h[b]]
             lengths[b].append(len(new))
             tokens[b].extend(new)
             if streamer:
                 streamer(b, new)
         valid, phys, bonus = new_valid, new_phys, verdict.bonus
+        valid_h = [v + a for v, a in zip(valid_h, accept_len)]
         for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
             stages[name] += dt
     seconds = time.perf_counter() - started
