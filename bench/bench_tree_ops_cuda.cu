@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "bench/bench_cuda_common.h"
 #include "bench/bench_tree_ops_inputs.h"
 #include "cpu/recurrent.h"
 #include "cpu/tree_ops.h"
@@ -13,45 +14,6 @@
 
 using namespace ddtree;
 using namespace ddtree::bench;
-
-namespace {
-
-template <class T>
-T* upload(const std::vector<T>& v) {
-  T* d = nullptr;
-  cudaMalloc(&d, v.size() * sizeof(T) + 16);
-  cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return d;
-}
-
-template <class T>
-std::vector<T> download(const T* d, size_t n) {
-  std::vector<T> v(n);
-  cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
-  return v;
-}
-
-template <class F>
-double time_us(F&& launch, int iters = 50) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  launch();
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) launch();
-  cudaEventRecord(b);
-  cudaEventSynchronize(b);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  return 1000.0 * ms / iters;
-}
-
-int fail(const char* what) {
-  std::printf("MISMATCH in %s\n", what);
-  return 1;
-}
-
-}  // namespace
 
 int main() {
   int count = 0;

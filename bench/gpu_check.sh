@@ -22,6 +22,7 @@ if cmake -S . -B build/cmake-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
    cmake --build build/cmake-gpu -j "$MAX_JOBS" >> "$OUT/cmake.log" 2>&1; then
   build/cmake-gpu/bench_tree_visibility_cuda | tee "$OUT/bench_cuda.txt" || status=1
   build/cmake-gpu/bench_tree_ops_cuda | tee -a "$OUT/bench_cuda.txt" || status=1
+  build/cmake-gpu/bench_attention_cuda | tee -a "$OUT/bench_cuda.txt" || status=1
 else
   tail -30 "$OUT/cmake.log"
   status=1

@@ -31,16 +31,16 @@ def case(seed, batch=2, lq=16, context=(5,), hq=4, hkv=2, d=64, cached=(7, 0), s
     return tensors + [torch.tensor(cached), qw, kw, emb.cos(), emb.sin(), c, 1e-6]
 
 
-def run(backend, c, scale=None):
+def run(backend, c, scale=None, num_splits=None):
     dev = "cpu" if backend == "cpu" else kernel_device(backend)
     ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
     args = [x.clone().to(dev) if isinstance(x, torch.Tensor) else x for x in c]
-    out = ops.draft_attention(*args, scale)
+    out = ops.draft_attention(*args, scale, num_splits)
     return out.cpu(), args[3].cpu(), args[4].cpu()
 
 
-def check(backend, c, scale=None):
-    out, k_cache, v_cache = run(backend, c, scale)
+def check(backend, c, scale=None, num_splits=None):
+    out, k_cache, v_cache = run(backend, c, scale, num_splits)
     truth, new_k, new_v = reference.draft_attention(*c, scale)
     q = c[0]
     own = reference.draft_attention(*[x.float() if isinstance(x, torch.Tensor) and x.is_floating_point()
@@ -83,10 +83,24 @@ def test_cpu_float32_and_scale():
     check("cpu", case(3), scale=0.2)
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("splits", [2, 5, 64])
+def test_split_over_keys(backend, splits):
+    """Split key ranges that cut the cached rows, the new context rows (each appended to the cache
+    exactly once, by the split that owns it) and the block rows; empty splits."""
+    check(backend, case(7, batch=2, cached=(70, 3), s=120, context=(9,), lq=16), num_splits=splits)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_long_context_batch1_splits_automatically(backend):
+    check(backend, case(8, batch=1, hq=2, hkv=1, cached=(600,), s=640, context=(6,), lq=8))
+
+
 @pytest.mark.parametrize("namespace", ["ddtree", "ddtree_emu"])
 def test_opcheck(namespace):
     c = case(4, lq=3, context=(2,))
     torch.library.opcheck(getattr(torch.ops, namespace).draft_attention.default, (*c, None))
+    torch.library.opcheck(getattr(torch.ops, namespace).draft_attention.default, (*c, None, 2))
 
 
 def test_bad_input():
@@ -103,3 +117,5 @@ def test_bad_input():
         op(*c[:8], c[8][:, :3], c[9], *c[10:], None)
     with pytest.raises(RuntimeError, match="head_dim D = 40 is not supported by the CUDA kernel"):
         torch.ops.ddtree_emu.draft_attention(*case(6, d=40), None)
+    with pytest.raises(RuntimeError, match=r"num_splits must be in \[1, 64\]"):
+        torch.ops.ddtree_emu.draft_attention(*c, None, 0)

@@ -152,3 +152,26 @@ def test_dynamic_shared_memory_request_above_limit_is_rejected():
 def test_invalid_block_shape_is_rejected():
     with pytest.raises(RuntimeError, match="invalid block"):
         selftest("warp_ops", [torch.zeros(2048, dtype=torch.int32)], [2048])
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("threads", [32, 96])
+def test_cp_async_groups_land_after_wait(backend, threads):
+    x = torch.arange(8 * threads, dtype=torch.int32) * 7 + 3
+    got = selftest("cp_async", [x.to(kernel_device(backend))], [threads, 0]).cpu()
+    first = x[: 4 * threads].view(threads, 4)
+    second = x[4 * threads:].view(threads, 4)
+    assert torch.equal(got[:, 4:8], first)  # own group 0 after wait_group 1
+    assert torch.equal(got[:, 8:12], second.roll(-1, 0))  # neighbour's group 1 after wait + barrier
+    if backend == "emulated":
+        # The emulator delays copies to the wait, so a read before it sees the old contents: a
+        # kernel that forgets the wait fails its tests here instead of racing on a GPU.
+        assert torch.equal(got[:, :4], torch.full((threads, 4), -1, dtype=torch.int32))
+
+
+def test_cp_async_misuse_is_reported():
+    x = torch.zeros(8 * 32, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="exited with cp.async copies it never waited for"):
+        selftest("cp_async", [x], [32, 1])
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        selftest("cp_async", [x], [32, 2])

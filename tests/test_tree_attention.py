@@ -27,11 +27,12 @@ def case(seed, batch=2, n=20, hq=4, hkv=2, d=64, past=(37, 0), dtype=torch.bfloa
     return [t.to(dtype) for t in (q, k, v)] + [torch.tensor(past), vis[1], vis[0]]
 
 
-def check(backend, c, scale=None):
+def check(backend, c, scale=None, num_splits=None):
     q, k, v, past, packed, visible = c
     dev = "cpu" if backend == "cpu" else kernel_device(backend)
     ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
-    got = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), past.to(dev), packed.to(dev), scale).cpu()
+    got = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), past.to(dev), packed.to(dev), scale,
+                             None, num_splits).cpu()
     truth = reference.tree_attention(q.double(), k.double(), v.double(), past, visible, scale)
     torch_own = reference.tree_attention(q, k, v, past, visible, scale)
     torch_err = (torch_own.double() - truth).abs().max().item()
@@ -66,10 +67,27 @@ def test_emulated_long_prefix_many_chunks(backend):
     check(backend, case(5, batch=1, n=9, hq=2, hkv=1, past=(190,)))
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("splits", [2, 3, 7, 64])
+def test_split_over_keys(backend, splits):
+    """Key ranges computed by separate blocks and merged by log-sum-exp (flash-decoding): ranges
+    cutting the prefix, the tree block and padding; more splits than key chunks (empty splits);
+    requests of different lengths in one launch."""
+    check(backend, case(10, batch=2, n=20, hq=4, hkv=2, past=(150, 9)), num_splits=splits)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_long_context_batch1_splits_automatically(backend):
+    # One block of work per request: the automatic plan splits the 700 keys (>= 256 per split).
+    check(backend, case(11, batch=1, n=7, hq=2, hkv=1, past=(700,), dtype=torch.float16))
+
+
 @pytest.mark.parametrize("namespace", ["ddtree", "ddtree_emu"])
 def test_opcheck(namespace):
     q, k, v, past, packed, _ = case(6, n=5)
-    torch.library.opcheck(getattr(torch.ops, namespace).tree_attention.default, (q, k, v, past, packed, None))
+    op = getattr(torch.ops, namespace).tree_attention.default
+    torch.library.opcheck(op, (q, k, v, past, packed, None))
+    torch.library.opcheck(op, (q, k, v, past, packed, None, None, 3))
 
 
 def test_bad_input():
@@ -91,6 +109,9 @@ def test_bad_input():
         emu(*c[:5])
     with pytest.raises(RuntimeError, match="takes bfloat16 or float16"):
         emu(q.float(), k.float(), v.float(), past, packed)
+    for bad in (0, 65):
+        with pytest.raises(RuntimeError, match=r"num_splits must be in \[1, 64\]"):
+            emu(q, k, v, past, packed, None, None, bad)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

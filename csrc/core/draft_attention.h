@@ -4,6 +4,7 @@
 #pragma once
 
 #include "core/common.h"
+#include "core/tree_attention.h"
 
 namespace ddtree {
 
@@ -23,6 +24,7 @@ struct DraftAttentionParams {
   int64_t batch = 0, lq = 0, t = 0, context = 0, hq = 0, hkv = 0, d = 0, s_max = 0;
   float scale = 1.f;
   void* out = nullptr;            // [B, Lq, Hq, D]
+  AttentionSplits split;          // CUDA kernel only; the CPU path ignores it
 };
 
 // RMSNorm with weight w, then RoPE (rotate-half convention, cos / sin rows of length d), in place.

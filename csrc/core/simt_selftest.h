@@ -16,6 +16,7 @@ enum class SelftestKind : int {
   kBarrierDeadlock,  // threads >= n exit before __syncthreads (undefined on a GPU)
   kSmemOverflow,     // writes n ints into dynamic shared memory of smem_bytes
   kWarpExit,         // lanes >= n exit while the rest shuffle with a full mask
+  kCpAsync,          // cp.async in two groups, wait_group 1 / 0; n: 0 ok, 1 exit early, 2 misaligned
 };
 
 struct SelftestParams {

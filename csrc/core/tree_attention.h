@@ -7,6 +7,46 @@
 
 namespace ddtree {
 
+// Launch geometry of both mma.sync attention kernels (tree_attention, draft_attention): a block
+// is kAttnWarps warps; a warp owns kAttnWarpRows query rows of one query head; the warps of a
+// block share one KV head and one key range, whose K / V tiles they load together. With split > 1
+// the keys of every request are cut into `splits` chunk-aligned ranges (flash-decoding): each
+// block writes a normalised fp32 partial output and its log-sum-exp, and a combine kernel merges
+// them, so a long context fills the GPU even at batch 1.
+inline constexpr int64_t kAttnWarps = 4;
+inline constexpr int64_t kAttnWarpRows = 16;
+inline constexpr int64_t kAttnMaxSplits = 64;
+inline constexpr int64_t kAttnMinKeysPerSplit = 256;
+
+struct AttentionSplits {
+  int64_t splits = 1;
+  float* part_o = nullptr;    // [splits, B, Hq, rows, D] fp32, rows = N (tree) or Lq (draft)
+  float* part_lse = nullptr;  // [splits, B, Hq, rows]; -inf where a split saw no visible key
+};
+
+// Blocks of one request and one split: warps needed for (Hq / Hkv) heads x row tiles, per KV head.
+inline int64_t attention_blocks_per_request(int64_t rows, int64_t hq, int64_t hkv) {
+  const int64_t warps = (hq / hkv) * ((rows + kAttnWarpRows - 1) / kAttnWarpRows);
+  return (warps + kAttnWarps - 1) / kAttnWarps * hkv;
+}
+
+// Number of key splits: `requested` when > 0 (capped), else enough to give every SM two blocks,
+// but no split shorter than kAttnMinKeysPerSplit keys of the largest possible key count.
+inline int64_t choose_attention_splits(int64_t requested, int64_t batch, int64_t blocks_per_request,
+                                       int64_t max_keys, int64_t sm_count) {
+  int64_t splits = requested;
+  if (splits <= 0) {
+    const int64_t blocks = batch * blocks_per_request;
+    const int64_t by_fill = blocks >= sm_count ? 1 : (2 * sm_count + blocks - 1) / blocks;
+    const int64_t by_keys = max_keys / kAttnMinKeysPerSplit;
+    splits = by_fill < by_keys ? by_fill : by_keys;
+  }
+  const int64_t grid_cap = batch > 0 ? 65535 / batch : 1;  // gridDim.z = B * splits
+  splits = splits < kAttnMaxSplits ? splits : kAttnMaxSplits;
+  splits = splits < grid_cap ? splits : grid_cap;
+  return splits > 1 ? splits : 1;
+}
+
 struct TreeAttentionParams {
   const void* q = nullptr;       // [B, N, Hq, D], D contiguous, strides below (elements)
   int64_t q_stride_b = 0, q_stride_n = 0, q_stride_h = 0;
@@ -21,6 +61,7 @@ struct TreeAttentionParams {
   int64_t batch = 0, n = 0, hq = 0, hkv = 0, d = 0, s_max = 0;
   float scale = 1.f;
   void* out = nullptr;                // [B, N, Hq, D] contiguous, dtype of q
+  AttentionSplits split;              // CUDA kernel only; the CPU path ignores it
 };
 
 DDTREE_HOST_DEVICE bool tree_key_visible(const TreeAttentionParams& p, int64_t b, int64_t i,

@@ -155,6 +155,29 @@ __global__ void warp_exit_kernel(const SelftestParams p) {
   static_cast<int*>(p.out)[threadIdx.x] = __shfl_xor_sync(kFull, static_cast<int>(threadIdx.x), 1);
 }
 
+// Every thread copies two 16-byte pieces (one per commit group) into shared memory. out[t] holds
+// 12 ints: its own first piece read before any wait (stale in the emulator, racy on a GPU), the
+// same after wait_group 1, and a neighbour's second piece after wait_group 0 + __syncthreads.
+__global__ void cp_async_kernel(const SelftestParams p) {
+  DDTREE_DYNAMIC_SMEM(int, buf);  // [2][threads][4]
+  const int* in = static_cast<const int*>(p.in0);
+  int* out = static_cast<int*>(p.out) + threadIdx.x * 12;
+  const int t = threadIdx.x, nt = blockDim.x;
+  for (int j = 0; j < 4; ++j) buf[t * 4 + j] = buf[(nt + t) * 4 + j] = -1;
+  cp_async_16(buf + t * 4 + (p.n == 2 ? 1 : 0), in + t * 4);
+  cp_async_commit();
+  cp_async_16(buf + (nt + t) * 4, in + (nt + t) * 4);
+  cp_async_commit();
+  for (int j = 0; j < 4; ++j) out[j] = buf[t * 4 + j];
+  if (p.n == 1) return;
+  cp_async_wait<1>();
+  for (int j = 0; j < 4; ++j) out[4 + j] = buf[t * 4 + j];
+  cp_async_wait<0>();
+  __syncthreads();
+  const int u = (t + 1) % nt;
+  for (int j = 0; j < 4; ++j) out[8 + j] = buf[(nt + u) * 4 + j];
+}
+
 template <int kNum>
 int launch_ldmatrix(const SelftestParams& p, void* stream) {
   auto kernel = p.trans ? ldmatrix_kernel<kNum, true> : ldmatrix_kernel<kNum, false>;
@@ -189,6 +212,9 @@ int launch_simt_selftest(const SelftestParams& p, void* stream) {
       return launch_kernel(smem_overflow_kernel, dim3(1), block, p.smem_bytes, stream, p);
     case SelftestKind::kWarpExit:
       return launch_kernel(warp_exit_kernel, dim3(1), block, 0, stream, p);
+    case SelftestKind::kCpAsync:
+      return launch_kernel(cp_async_kernel, dim3(1), block, 2 * 4 * p.threads * sizeof(int),
+                           stream, p);
   }
   return 1;  // cudaErrorInvalidValue
 }

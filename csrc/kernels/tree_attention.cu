@@ -1,11 +1,14 @@
 // tree_attention kernel: FlashAttention-2 style online softmax on mma.sync m16n8k16 tiles
 // (bf16 / fp16 in, fp32 accumulate), which runs on sm_80, sm_90 and sm_120 alike.
 //
-// One warp per (request, query head, 16 tree rows). Keys stream in chunks of 16: S = Q K^T from
-// ldmatrix'd shared tiles, the tree mask from the packed visibility bits, online softmax in the
-// accumulator fragments, and the probabilities reused in registers as the A operand of P V (the
-// C layout of two n8 tiles is exactly the A layout of one k16 step). V is read with ldmatrix.trans.
-// First version: one warp per block, synchronous loads (no cp.async pipeline, no split over keys).
+// A block is kAttnWarps warps sharing one (request, KV head, key split); each warp owns 16 query
+// rows of one query head (GQA heads of the group and row tiles side by side). K / V stream through
+// shared memory in chunks, double-buffered with cp.async (the next chunk loads while the warps
+// compute on this one). Per 16 keys: S = Q K^T from ldmatrix'd tiles, the mask (packed visibility
+// bits for the tree), online softmax in the accumulator fragments, and the probabilities reused in
+// registers as the A operand of P V (the C layout of two n8 tiles is the A layout of one k16
+// step); V is read with ldmatrix.trans. With splits > 1 each block covers one key range and writes
+// a partial result that attention_combine_kernel merges (flash-decoding).
 #include "core/draft_attention.h"
 #include "core/tree_attention.h"
 #include "kernels/launch.cuh"
@@ -17,8 +20,6 @@ namespace DDTREE_KERNEL_NS {
 namespace {
 
 constexpr unsigned kWarp = 0xffffffffu;
-constexpr int kRows = 16;   // query rows per warp
-constexpr int kChunk = 16;  // keys per step
 
 template <bool kBf16>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
@@ -47,7 +48,9 @@ struct WarpRows {
 
 template <int kD>
 __device__ __forceinline__ void rows_init(WarpRows<kD>& w) {
+  DDTREE_UNROLL
   for (int dt = 0; dt < kD / 8; ++dt)
+    DDTREE_UNROLL
     for (int c = 0; c < 4; ++c) w.o[dt][c] = 0.f;
   w.m[0] = w.m[1] = -__builtin_inff();
   w.l[0] = w.l[1] = 0.f;
@@ -59,12 +62,14 @@ template <int kD, bool kBf16, class Visible>
 __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t* sk,
                                              const uint16_t* sv, float scale, Visible visible,
                                              WarpRows<kD>& w) {
-  const int lane = threadIdx.x, g = lane >> 2, t4 = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  DDTREE_UNROLL
   for (int kk = 0; kk < kD / 16; ++kk) {
     uint32_t a[4];
     const int mat = lane >> 3, r = lane & 7;
     ldmatrix<4, false>(a, sq + (r + 8 * (mat & 1)) * kD + kk * 16 + 8 * (mat >> 1));
+    DDTREE_UNROLL
     for (int nt = 0; nt < 2; ++nt) {
       uint32_t bf[2];
       ldmatrix<2, false>(bf, sk + (nt * 8 + (lane & 7)) * kD + kk * 16 + ((lane >> 3) & 1) * 8);
@@ -72,30 +77,39 @@ __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t*
     }
   }
   float row_max[2] = {w.m[0], w.m[1]};
+  DDTREE_UNROLL
   for (int nt = 0; nt < 2; ++nt)
+    DDTREE_UNROLL
     for (int c = 0; c < 4; ++c) {
       const int half = c >> 1;
       s[nt][c] = visible(g + 8 * half, nt * 8 + 2 * t4 + (c & 1)) ? s[nt][c] * scale : -__builtin_inff();
       row_max[half] = fmaxf(row_max[half], s[nt][c]);
     }
   float rescale[2];
+  DDTREE_UNROLL
   for (int half = 0; half < 2; ++half) {
     const float mx = quad_max(row_max[half]);
     rescale[half] = (w.m[half] == -__builtin_inff()) ? 0.f : expf(w.m[half] - mx);
     w.m[half] = mx;
   }
   float row_sum[2] = {0.f, 0.f};
+  DDTREE_UNROLL
   for (int nt = 0; nt < 2; ++nt)
+    DDTREE_UNROLL
     for (int c = 0; c < 4; ++c) {
       const int half = c >> 1;
       s[nt][c] = (s[nt][c] == -__builtin_inff()) ? 0.f : expf(s[nt][c] - w.m[half]);
       row_sum[half] += s[nt][c];
     }
+  DDTREE_UNROLL
   for (int half = 0; half < 2; ++half) w.l[half] = w.l[half] * rescale[half] + quad_sum(row_sum[half]);
+  DDTREE_UNROLL
   for (int dt = 0; dt < kD / 8; ++dt)
+    DDTREE_UNROLL
     for (int c = 0; c < 4; ++c) w.o[dt][c] *= rescale[c >> 1];
   const uint32_t pa[4] = {pack_pair<kBf16>(s[0][0], s[0][1]), pack_pair<kBf16>(s[0][2], s[0][3]),
                           pack_pair<kBf16>(s[1][0], s[1][1]), pack_pair<kBf16>(s[1][2], s[1][3])};
+  DDTREE_UNROLL
   for (int dt = 0; dt < kD / 8; ++dt) {
     uint32_t bf[2];
     ldmatrix<2, true>(bf, sv + (lane & 15) * kD + dt * 8);
@@ -106,12 +120,15 @@ __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t*
 // Writes O / l of row r (0..15) of the warp to out_row(r) (b16 pointer or null to skip).
 template <int kD, bool kBf16, class OutRow>
 __device__ __forceinline__ void rows_store(const WarpRows<kD>& w, OutRow out_row) {
-  const int lane = threadIdx.x, g = lane >> 2, t4 = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  DDTREE_UNROLL
   for (int half = 0; half < 2; ++half) {
     uint16_t* out = out_row(g + 8 * half);
     if (!out) continue;
     const float inv = w.l[half] > 0.f ? 1.f / w.l[half] : 0.f;
+    DDTREE_UNROLL
     for (int dt = 0; dt < kD / 8; ++dt)
+      DDTREE_UNROLL
       for (int c = 0; c < 2; ++c) {
         const float val = w.o[dt][2 * half + c] * inv;
         out[dt * 8 + 2 * t4 + c] = kBf16 ? float_to_bf16_bits(val) : float_to_half_bits(val);
@@ -119,45 +136,212 @@ __device__ __forceinline__ void rows_store(const WarpRows<kD>& w, OutRow out_row
   }
 }
 
-// grid (ceil(N / 16), Hq, B), block = one warp.
+
+// Writes the warp's rows as a split partial: O / l (fp32) and log-sum-exp (-inf when no key of the
+// split was visible). `index(r)` is the row's index in [splits, B, Hq, rows], or -1 to skip.
+template <int kD, class Index>
+__device__ __forceinline__ void rows_store_partial(const WarpRows<kD>& w, const AttentionSplits& sp,
+                                                   Index index) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  DDTREE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int64_t at = index(g + 8 * half);
+    if (at < 0) continue;
+    const float inv = w.l[half] > 0.f ? 1.f / w.l[half] : 0.f;
+    float* o = sp.part_o + at * kD;
+    DDTREE_UNROLL
+    for (int dt = 0; dt < kD / 8; ++dt)
+      DDTREE_UNROLL
+      for (int c = 0; c < 2; ++c) o[dt * 8 + 2 * t4 + c] = w.o[dt][2 * half + c] * inv;
+    if (t4 == 0) sp.part_lse[at] = w.l[half] > 0.f ? w.m[half] + logf(w.l[half]) : -__builtin_inff();
+  }
+}
+
+// Shared-memory plan of a block: Q tiles of every warp, two stages of K and V chunks (b16), and a
+// float row per warp for the draft kernel's norm + RoPE.
+template <int kD>
+struct AttnTile {
+  static constexpr int kChunk = kD == 256 ? 16 : 32;  // keys per pipeline stage
+  static constexpr int kQ = kAttnWarps * kAttnWarpRows * kD;
+  static constexpr int kKv = kChunk * kD;
+  static constexpr size_t kBytes = (kQ + 4 * kKv) * sizeof(uint16_t) + kAttnWarps * kD * sizeof(float);
+  uint16_t* q;
+  uint16_t* k[2];
+  uint16_t* v[2];
+  float* buf;
+  __device__ explicit AttnTile(unsigned char* smem) {
+    q = reinterpret_cast<uint16_t*>(smem);
+    k[0] = q + kQ;
+    k[1] = k[0] + kKv;
+    v[0] = k[1] + kKv;
+    v[1] = v[0] + kKv;
+    buf = reinterpret_cast<float*>(v[1] + kKv);
+  }
+};
+
+// The (query head, first row) a warp of this block owns; inactive warps only help load.
+struct WarpItem {
+  bool active;
+  int64_t h, row0;
+};
+
+__device__ __forceinline__ WarpItem warp_item(int64_t rows, int64_t hq, int64_t hkv, int64_t kh) {
+  const int64_t rep = hq / hkv, tiles = ceil_div(rows, kAttnWarpRows);
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kAttnWarps + (threadIdx.x >> 5);
+  return {item < rep * tiles, kh * rep + item % rep, item / rep * kAttnWarpRows};
+}
+
+// Key range [begin, end) of split `split` among `splits` over `keys` keys, chunk-aligned.
+struct KeyRange {
+  int64_t begin, end;
+};
+
+template <int kChunk>
+__device__ __forceinline__ KeyRange split_keys(int64_t keys, int64_t splits, int64_t split) {
+  const int64_t per = ceil_div(ceil_div(keys, kChunk), splits) * kChunk;
+  const int64_t begin = split * per < keys ? split * per : keys;
+  return {begin, begin + per < keys ? begin + per : keys};
+}
+
+struct alignas(16) Vec16 {
+  uint32_t w[4];
+};
+
+// Copies 8 b16 elements global -> shared: cp.async when both are 16-byte aligned, else by value.
+__device__ __forceinline__ void copy8(uint16_t* dst, const uint16_t* src, bool async) {
+  if (async) {
+    cp_async_16(dst, src);
+  } else {
+    for (int j = 0; j < 8; ++j) dst[j] = src[j];
+  }
+}
+
+__device__ __forceinline__ void zero8(uint16_t* dst) { *reinterpret_cast<Vec16*>(dst) = Vec16{{0, 0, 0, 0}}; }
+
+// The block's key loop: stage(chunk start, buffer) fills a K / V buffer (cp.async + commit);
+// compute(chunk start, buffer) runs after every thread's copies of that buffer have landed.
+template <class Stage, class Compute>
+__device__ __forceinline__ void pipeline_keys(KeyRange range, int chunk, Stage stage, Compute compute) {
+  if (range.begin >= range.end) return;
+  stage(range.begin, 0);
+  int buf = 0;
+  for (int64_t key0 = range.begin; key0 < range.end; key0 += chunk, buf ^= 1) {
+    if (key0 + chunk < range.end) {
+      stage(key0 + chunk, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    compute(key0, buf);
+    __syncthreads();
+  }
+}
+
+template <int kD, bool kBf16, class Visible>
+__device__ __forceinline__ void attend_stage(const AttnTile<kD>& tile, const uint16_t* sq, int buf,
+                                             int64_t key0, float scale, Visible visible,
+                                             WarpRows<kD>& w) {
+  DDTREE_UNROLL
+  for (int sub = 0; sub < AttnTile<kD>::kChunk; sub += 16)
+    attend_chunk<kD, kBf16>(sq, tile.k[buf] + sub * kD, tile.v[buf] + sub * kD, scale,
+                            [&](int r, int c) { return visible(r, key0 + sub + c); }, w);
+}
+
+// grid (ceil(rep * ceil(N / 16) / kAttnWarps), Hkv, B * splits), block kAttnWarps warps.
 template <int kD, bool kBf16>
-__global__ void __launch_bounds__(32) tree_attention_kernel(const TreeAttentionParams p) {
-  __shared__ __align__(16) uint16_t sq[kRows * kD];
-  __shared__ __align__(16) uint16_t sk[kChunk * kD];
-  __shared__ __align__(16) uint16_t sv[kChunk * kD];
-  const int lane = threadIdx.x;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows, h = blockIdx.y, b = blockIdx.z;
-  const int64_t kh = h / (p.hq / p.hkv);
-  const int64_t past = p.past_len[b], keys = tree_key_count(p, b);
+__global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const TreeAttentionParams p) {
+  DDTREE_DYNAMIC_SMEM(unsigned char, smem);
+  const AttnTile<kD> tile(smem);
+  constexpr int kChunk = AttnTile<kD>::kChunk;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t kh = blockIdx.y, b = blockIdx.z / p.split.splits, split = blockIdx.z % p.split.splits;
+  const WarpItem item = warp_item(p.n, p.hq, p.hkv, kh);
+  const int64_t past = p.past_len[b];
+  const KeyRange range = split_keys<kChunk>(tree_key_count(p, b), p.split.splits, split);
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k = static_cast<const uint16_t*>(p.k);
   const uint16_t* v = static_cast<const uint16_t*>(p.v);
-  for (int e = lane; e < kRows * kD; e += 32) {
-    const int64_t r = row0 + e / kD;
-    sq[e] = r < p.n ? q[b * p.q_stride_b + r * p.q_stride_n + h * p.q_stride_h + e % kD] : 0;
+  uint16_t* sq = tile.q + warp * kAttnWarpRows * kD;
+  if (item.active) {
+    for (int e = lane; e < kAttnWarpRows * kD; e += 32) {
+      const int64_t r = item.row0 + e / kD;
+      sq[e] = r < p.n ? q[b * p.q_stride_b + r * p.q_stride_n + item.h * p.q_stride_h + e % kD] : 0;
+    }
   }
+  const int64_t kv_base = b * p.kv_stride_b + kh * p.kv_stride_h;
+  const bool async = (reinterpret_cast<uintptr_t>(k) % 16 == 0) && (reinterpret_cast<uintptr_t>(v) % 16 == 0) &&
+                     (p.kv_stride_b % 8 == 0) && (p.kv_stride_h % 8 == 0) && (p.kv_stride_s % 8 == 0);
   WarpRows<kD> w;
   rows_init(w);
-  const int64_t kv_base = b * p.kv_stride_b + kh * p.kv_stride_h;
-  for (int64_t key0 = 0; key0 < keys; key0 += kChunk) {
-    __syncwarp();
-    for (int e = lane; e < kChunk * kD; e += 32) {
-      const int64_t key = key0 + e / kD;
-      const int64_t at = kv_base + key * p.kv_stride_s + e % kD;
-      sk[e] = key < keys ? k[at] : 0;
-      sv[e] = key < keys ? v[at] : 0;
+  pipeline_keys(range, kChunk, [&](int64_t key0, int buf) {
+    for (int e = threadIdx.x; e < kChunk * kD / 8; e += kAttnWarps * 32) {
+      const int64_t key = key0 + e / (kD / 8), col = e % (kD / 8) * 8;
+      uint16_t* dk = tile.k[buf] + e * 8;
+      uint16_t* dv = tile.v[buf] + e * 8;
+      if (key < range.end) {
+        const int64_t at = kv_base + key * p.kv_stride_s + col;
+        copy8(dk, k + at, async);
+        copy8(dv, v + at, async);
+      } else {
+        zero8(dk);
+        zero8(dv);
+      }
     }
-    __syncwarp();
-    attend_chunk<kD, kBf16>(sq, sk, sv, p.scale, [&](int r, int c) {
-      const int64_t i = row0 + r, key = key0 + c;
-      return i >= p.n ? key < keys : tree_key_visible(p, b, i, past, key);  // padding rows: any
+    cp_async_commit();
+  }, [&](int64_t key0, int buf) {
+    if (!item.active) return;
+    attend_stage<kD, kBf16>(tile, sq, buf, key0, p.scale, [&](int r, int64_t key) {
+      const int64_t i = item.row0 + r;
+      return key < range.end && i < p.n && tree_key_visible(p, b, i, past, key);
     }, w);
+  });
+  if (!item.active) return;
+  if (p.split.splits > 1) {
+    rows_store_partial<kD>(w, p.split, [&](int r) -> int64_t {
+      const int64_t i = item.row0 + r;
+      return i < p.n ? ((split * p.batch + b) * p.hq + item.h) * p.n + i : -1;
+    });
+    return;
   }
   uint16_t* out = static_cast<uint16_t*>(p.out);
   rows_store<kD, kBf16>(w, [&](int r) -> uint16_t* {
-    const int64_t i = row0 + r;
-    return i < p.n ? out + ((b * p.n + i) * p.hq + h) * p.d : nullptr;
+    const int64_t i = item.row0 + r;
+    return i < p.n ? out + ((b * p.n + i) * p.hq + item.h) * p.d : nullptr;
   });
+}
+
+// Merges the split partials of one output row: grid (rows, Hq, B), block one warp.
+template <bool kBf16>
+__global__ void __launch_bounds__(32) attention_combine_kernel(const AttentionSplits sp, int64_t batch,
+                                                               int64_t rows, int64_t hq, int64_t d,
+                                                               void* out) {
+  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t stride = batch * hq * rows, first = (b * hq + h) * rows + i;
+  float mx = -__builtin_inff();
+  for (int64_t s = 0; s < sp.splits; ++s) mx = fmaxf(mx, sp.part_lse[first + s * stride]);
+  uint16_t* dst = static_cast<uint16_t*>(out) + ((b * rows + i) * hq + h) * d;
+  for (int64_t j = threadIdx.x; j < d; j += 32) {
+    float num = 0.f, den = 0.f;
+    for (int64_t s = 0; s < sp.splits; ++s) {
+      const float lse = sp.part_lse[first + s * stride];
+      if (lse == -__builtin_inff()) continue;
+      const float wgt = expf(lse - mx);
+      num += wgt * sp.part_o[(first + s * stride) * d + j];
+      den += wgt;
+    }
+    const float val = den > 0.f ? num / den : 0.f;
+    dst[j] = kBf16 ? float_to_bf16_bits(val) : float_to_half_bits(val);
+  }
+}
+
+int launch_combine(const AttentionSplits& sp, ElemDtype dtype, int64_t batch, int64_t rows,
+                   int64_t hq, int64_t d, void* out, void* stream) {
+  if (sp.splits <= 1) return 0;
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(hq), static_cast<unsigned>(batch));
+  auto kernel = dtype == ElemDtype::kBFloat16 ? attention_combine_kernel<true>
+                                              : attention_combine_kernel<false>;
+  return launch_kernel(kernel, grid, dim3(32), 0, stream, sp, batch, rows, hq, d, out);
 }
 
 template <bool kBf16>
@@ -174,7 +358,7 @@ __device__ __forceinline__ uint16_t float_to_b16(float x) {
 template <int kD, bool kBf16>
 __device__ void norm_rope_row_warp(const uint16_t* src, const float* w, float eps, const float* cos,
                                    const float* sin, float* buf, uint16_t* dst) {
-  const int lane = threadIdx.x;
+  const int lane = threadIdx.x & 31;
   float ss = 0.f;
   for (int j = lane; j < kD; j += 32) {
     buf[j] = b16_to_float<kBf16>(src[j]);
@@ -193,89 +377,117 @@ __device__ void norm_rope_row_warp(const uint16_t* src, const float* w, float ep
   __syncwarp();
 }
 
-// grid (ceil(Lq / 16), Hq, B), block = one warp. The first query tile of the first query head of
-// each KV group writes the new context rows into the cache; every warp prepares (norm + RoPE) the
-// new key rows it reads itself, so no warp waits for another.
+// grid (ceil(rep * ceil(Lq / 16) / kAttnWarps), Hkv, B * splits), block kAttnWarps warps. Cached
+// keys stream in with cp.async; the new key rows of a chunk are prepared (norm + RoPE) by the
+// warps of the block that reads them, and the block with blockIdx.x == 0 of each (request, KV
+// head, split) writes the new context rows of its key range to the cache (each row exactly once).
 template <int kD, bool kBf16>
-__global__ void __launch_bounds__(32) draft_attention_kernel(const DraftAttentionParams p) {
-  __shared__ __align__(16) uint16_t sq[kRows * kD];
-  __shared__ __align__(16) uint16_t sk[kChunk * kD];
-  __shared__ __align__(16) uint16_t sv[kChunk * kD];
-  __shared__ float buf[kD];
-  const int lane = threadIdx.x;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows, h = blockIdx.y, b = blockIdx.z;
-  const int64_t rep = p.hq / p.hkv, kh = h / rep;
-  const int64_t cached = p.cache_len[b], total = cached + p.t;
-  const bool writer = blockIdx.x == 0 && h % rep == 0;
+__global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const DraftAttentionParams p) {
+  DDTREE_DYNAMIC_SMEM(unsigned char, smem);
+  const AttnTile<kD> tile(smem);
+  constexpr int kChunk = AttnTile<kD>::kChunk;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t kh = blockIdx.y, b = blockIdx.z / p.split.splits, split = blockIdx.z % p.split.splits;
+  const WarpItem item = warp_item(p.lq, p.hq, p.hkv, kh);
+  const int64_t cached = p.cache_len[b];
+  const KeyRange range = split_keys<kChunk>(cached + p.t, p.split.splits, split);
+  const bool writer = blockIdx.x == 0;
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k_new = static_cast<const uint16_t*>(p.k_new);
   const uint16_t* v_new = static_cast<const uint16_t*>(p.v_new);
   uint16_t* k_cache = static_cast<uint16_t*>(p.k_cache);
   uint16_t* v_cache = static_cast<uint16_t*>(p.v_cache);
-  for (int r = 0; r < kRows; ++r) {
-    const int64_t i = row0 + r;
-    if (i < p.lq) {
-      const int64_t rope = (b * p.t + p.context + i) * kD;
-      norm_rope_row_warp<kD, kBf16>(q + ((b * p.lq + i) * p.hq + h) * kD, p.q_norm, p.eps,
-                                    p.cos + rope, p.sin + rope, buf, sq + r * kD);
-    } else {
-      for (int j = lane; j < kD; j += 32) sq[r * kD + j] = 0;
-    }
-  }
-  WarpRows<kD> w;
-  rows_init(w);
-  for (int64_t key0 = 0; key0 < total; key0 += kChunk) {
-    __syncwarp();
-    for (int c = 0; c < kChunk; ++c) {
-      const int64_t key = key0 + c;
-      if (key < cached) {
-        const int64_t row = draft_cache_row(p, b, kh, key);
-        for (int j = lane; j < kD; j += 32) {
-          sk[c * kD + j] = k_cache[row + j];
-          sv[c * kD + j] = v_cache[row + j];
-        }
-      } else if (key < total) {
-        const int64_t t = key - cached, src = ((b * p.t + t) * p.hkv + kh) * kD;
-        norm_rope_row_warp<kD, kBf16>(k_new + src, p.k_norm, p.eps, p.cos + (b * p.t + t) * kD,
-                                      p.sin + (b * p.t + t) * kD, buf, sk + c * kD);
-        for (int j = lane; j < kD; j += 32) sv[c * kD + j] = v_new[src + j];
-        if (writer && t < p.context) {
-          const int64_t row = draft_cache_row(p, b, kh, key);
-          for (int j = lane; j < kD; j += 32) {
-            k_cache[row + j] = sk[c * kD + j];
-            v_cache[row + j] = sv[c * kD + j];
-          }
-        }
+  uint16_t* sq = tile.q + warp * kAttnWarpRows * kD;
+  float* buf_row = tile.buf + warp * kD;
+  if (item.active) {
+    for (int r = 0; r < kAttnWarpRows; ++r) {
+      const int64_t i = item.row0 + r;
+      if (i < p.lq) {
+        const int64_t rope = (b * p.t + p.context + i) * kD;
+        norm_rope_row_warp<kD, kBf16>(q + ((b * p.lq + i) * p.hq + item.h) * kD, p.q_norm, p.eps,
+                                      p.cos + rope, p.sin + rope, buf_row, sq + r * kD);
       } else {
-        for (int j = lane; j < kD; j += 32) sk[c * kD + j] = sv[c * kD + j] = 0;
+        for (int j = lane; j < kD; j += 32) sq[r * kD + j] = 0;
       }
     }
-    __syncwarp();
-    attend_chunk<kD, kBf16>(sq, sk, sv, p.scale, [&](int, int c) { return key0 + c < total; }, w);
+  }
+  const bool async = reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(v_cache) % 16 == 0;
+  WarpRows<kD> w;
+  rows_init(w);
+  pipeline_keys(range, kChunk, [&](int64_t key0, int buf) {
+    for (int e = threadIdx.x; e < kChunk * kD / 8; e += kAttnWarps * 32) {
+      const int64_t key = key0 + e / (kD / 8), col = e % (kD / 8) * 8;
+      uint16_t* dk = tile.k[buf] + e * 8;
+      uint16_t* dv = tile.v[buf] + e * 8;
+      if (key < cached && key < range.end) {
+        const int64_t row = draft_cache_row(p, b, kh, key) + col;
+        copy8(dk, k_cache + row, async);
+        copy8(dv, v_cache + row, async);
+      } else if (key >= range.end) {
+        zero8(dk);
+        zero8(dv);
+      }
+    }
+    cp_async_commit();
+    for (int c = warp; c < kChunk; c += kAttnWarps) {
+      const int64_t key = key0 + c;
+      if (key < cached || key >= range.end) continue;
+      const int64_t t = key - cached, src = ((b * p.t + t) * p.hkv + kh) * kD;
+      uint16_t* dk = tile.k[buf] + c * kD;
+      uint16_t* dv = tile.v[buf] + c * kD;
+      norm_rope_row_warp<kD, kBf16>(k_new + src, p.k_norm, p.eps, p.cos + (b * p.t + t) * kD,
+                                    p.sin + (b * p.t + t) * kD, buf_row, dk);
+      for (int j = lane; j < kD; j += 32) dv[j] = v_new[src + j];
+      if (writer && t < p.context) {
+        const int64_t row = draft_cache_row(p, b, kh, key);
+        for (int j = lane; j < kD; j += 32) {
+          k_cache[row + j] = dk[j];
+          v_cache[row + j] = dv[j];
+        }
+      }
+    }
+  }, [&](int64_t key0, int buf) {
+    if (!item.active) return;
+    attend_stage<kD, kBf16>(tile, sq, buf, key0, p.scale,
+                            [&](int, int64_t key) { return key < range.end; }, w);
+  });
+  if (!item.active) return;
+  if (p.split.splits > 1) {
+    rows_store_partial<kD>(w, p.split, [&](int r) -> int64_t {
+      const int64_t i = item.row0 + r;
+      return i < p.lq ? ((split * p.batch + b) * p.hq + item.h) * p.lq + i : -1;
+    });
+    return;
   }
   uint16_t* out = static_cast<uint16_t*>(p.out);
   rows_store<kD, kBf16>(w, [&](int r) -> uint16_t* {
-    const int64_t i = row0 + r;
-    return i < p.lq ? out + ((b * p.lq + i) * p.hq + h) * kD : nullptr;
+    const int64_t i = item.row0 + r;
+    return i < p.lq ? out + ((b * p.lq + i) * p.hq + item.h) * kD : nullptr;
   });
+}
+
+dim3 attention_grid(int64_t rows, int64_t hq, int64_t hkv, int64_t batch, int64_t splits) {
+  return dim3(static_cast<unsigned>(attention_blocks_per_request(rows, hq, hkv) / hkv),
+              static_cast<unsigned>(hkv), static_cast<unsigned>(batch * splits));
 }
 
 template <int kD>
 int launch_draft_for_dim(const DraftAttentionParams& p, void* stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.lq, kRows)), static_cast<unsigned>(p.hq),
-                  static_cast<unsigned>(p.batch));
   auto kernel = p.dtype == ElemDtype::kBFloat16 ? draft_attention_kernel<kD, true>
                                                 : draft_attention_kernel<kD, false>;
-  return launch_kernel(kernel, grid, dim3(32), 0, stream, p);
+  const int rc = launch_kernel(kernel, attention_grid(p.lq, p.hq, p.hkv, p.batch, p.split.splits),
+                               dim3(kAttnWarps * 32), AttnTile<kD>::kBytes, stream, p);
+  return rc ? rc : launch_combine(p.split, p.dtype, p.batch, p.lq, p.hq, kD, p.out, stream);
 }
 
 template <int kD>
 int launch_for_dim(const TreeAttentionParams& p, void* stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.n, kRows)), static_cast<unsigned>(p.hq),
-                  static_cast<unsigned>(p.batch));
   auto kernel = p.dtype == ElemDtype::kBFloat16 ? tree_attention_kernel<kD, true>
                                                 : tree_attention_kernel<kD, false>;
-  return launch_kernel(kernel, grid, dim3(32), 0, stream, p);
+  const int rc = launch_kernel(kernel, attention_grid(p.n, p.hq, p.hkv, p.batch, p.split.splits),
+                               dim3(kAttnWarps * 32), AttnTile<kD>::kBytes, stream, p);
+  return rc ? rc : launch_combine(p.split, p.dtype, p.batch, p.n, p.hq, kD, p.out, stream);
 }
 
 }  // namespace

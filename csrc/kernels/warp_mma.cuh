@@ -1,4 +1,5 @@
-// Tensor-core building blocks: mma.sync m16n8k16 (bf16/f16 in, f32 accumulate) and ldmatrix.
+// Tensor-core building blocks: mma.sync m16n8k16 (bf16/f16 in, f32 accumulate), ldmatrix and
+// cp.async.
 // Inline PTX under nvcc (sm_80+); the emulator implements the same PTX ISA fragment layouts.
 //   A 16x16 row-major: a[r] holds row g + 8*(r&1), columns 2t + 8*(r>>1) + {0,1}
 //   B 16x8 "col":      b[r] holds rows 2t + 8r + {0,1} of column g
@@ -61,6 +62,35 @@ __device__ __forceinline__ void ldmatrix(uint32_t (&r)[kNum], const void* smem_r
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
   }
+#endif
+}
+
+// Asynchronous global -> shared copies (sm_80+): cp.async.cg of 16 bytes (both addresses 16-byte
+// aligned), grouped by commit; wait<N> returns once at most N of this thread's groups are pending.
+// Other threads' copies are visible only after their wait and a barrier.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src) {
+#if defined(DDTREE_EMULATE)
+  simt::cp_async_16(smem_dst, global_src);
+#elif defined(__CUDA_ARCH__)
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(global_src));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(DDTREE_EMULATE)
+  simt::cp_async_commit();
+#elif defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(DDTREE_EMULATE)
+  simt::cp_async_wait(kPending);
+#elif defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 #endif
 }
 

@@ -155,6 +155,39 @@ TreeWalkParams TreeWalkTensors::params() const {
   return w;
 }
 
+AttentionWorkspace plan_attention_splits(const char* op, Backend backend, const at::Tensor& q,
+                                         const c10::optional<int64_t>& num_splits, int64_t batch,
+                                         int64_t rows, int64_t hq, int64_t hkv, int64_t head_dim,
+                                         int64_t max_keys) {
+  AttentionWorkspace ws;
+  int64_t requested = 0;
+  if (num_splits.has_value()) {
+    requested = *num_splits;
+    TORCH_CHECK(requested >= 1 && requested <= kAttnMaxSplits, op, ": num_splits must be in [1, ",
+                kAttnMaxSplits, "] (or None for automatic), got ", requested);
+  }
+  if (backend == Backend::kCpu) return ws;  // the CPU path does not split
+  int64_t sm_count = 8;
+#ifdef DDTREE_WITH_CUDA
+  if (backend == Backend::kCuda) {
+    int count = 0;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, q.device().index()) ==
+        cudaSuccess)
+      sm_count = count;
+  }
+#endif
+  ws.split.splits = choose_attention_splits(
+      requested, batch, attention_blocks_per_request(rows, hq, hkv), max_keys, sm_count);
+  if (ws.split.splits > 1) {
+    const auto opts = q.options().dtype(at::kFloat);
+    ws.part_o = at::empty({ws.split.splits, batch, hq, rows, head_dim}, opts);
+    ws.part_lse = at::empty({ws.split.splits, batch, hq, rows}, opts);
+    ws.split.part_o = ws.part_o.data_ptr<float>();
+    ws.split.part_lse = ws.part_lse.data_ptr<float>();
+  }
+  return ws;
+}
+
 int launch_on_device(const char* op, Backend backend, const at::Tensor& on,
                      const std::function<int(void*)>& launch) {
   if (backend == Backend::kEmulated) {

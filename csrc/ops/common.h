@@ -9,6 +9,7 @@
 
 #include <functional>
 
+#include "core/tree_attention.h"
 #include "core/tree_topk.h"
 #include "core/tree_verify.h"
 
@@ -42,6 +43,18 @@ int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
 void check_mma_attention_args(const char* op, at::ScalarType dtype, int64_t head_dim);
 // The softmax scale: the given one, else 1 / sqrt(head_dim).
 float attention_scale(const c10::optional<double>& scale, int64_t head_dim);
+
+// Split-over-keys plan of an attention kernel launch (see core/tree_attention.h): the number of
+// splits (num_splits when given, else from the device's SM count: a nominal 8 for the emulator)
+// and, when > 1, the fp32 workspace, allocated here (graph-safe: the caching allocator).
+struct AttentionWorkspace {
+  AttentionSplits split;
+  at::Tensor part_o, part_lse;
+};
+AttentionWorkspace plan_attention_splits(const char* op, Backend backend, const at::Tensor& q,
+                                         const c10::optional<int64_t>& num_splits, int64_t batch,
+                                         int64_t rows, int64_t hq, int64_t hkv, int64_t head_dim,
+                                         int64_t max_keys);
 
 // Logits element type of the kernels (float32 / bfloat16 / float16 only; callers check).
 LogitsDtype logits_dtype(at::ScalarType dtype);

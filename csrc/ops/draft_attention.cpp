@@ -19,7 +19,7 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& cache_len,
                        const Tensor& q_norm_weight, const Tensor& k_norm_weight, const Tensor& cos,
                        const Tensor& sin, int64_t num_context, double eps,
-                       c10::optional<double> scale) {
+                       c10::optional<double> scale, c10::optional<int64_t> num_splits) {
   constexpr const char* op = "draft_attention";
   TORCH_CHECK(q.dim() == 4, op, ": q must be a 4-D tensor [B, Lq, Hq, D], got shape ", q.sizes());
   const int64_t B = q.size(0), Lq = q.size(1), Hq = q.size(2), D = q.size(3);
@@ -89,6 +89,9 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   p.s_max = S;
   p.scale = attention_scale(scale, D);
   p.out = out.data_ptr();
+  const AttentionWorkspace ws =
+      plan_attention_splits(op, kBackend, q, num_splits, B, Lq, Hq, Hkv, D, S + T);
+  p.split = ws.split;
   run_op<kBackend>(op, kDraftKernels, p, q, B, 1);
   return out;
 }

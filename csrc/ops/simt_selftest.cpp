@@ -74,6 +74,14 @@ Tensor simt_selftest(const std::string& name, const std::vector<Tensor>& inputs_
     p.threads = static_cast<int>(arg(args, 0, name));
     p.n = arg(args, 1, name);
     out = at::zeros({p.threads}, opts.dtype(at::kInt));
+  } else if (name == "cp_async") {
+    p.kind = static_cast<int>(SelftestKind::kCpAsync);
+    p.threads = static_cast<int>(arg(args, 0, name));
+    p.n = arg(args, 1, name);
+    TORCH_CHECK(input(inputs, 0, name).numel() == 8 * p.threads &&
+                    inputs[0].scalar_type() == at::kInt,
+                "simt_selftest(cp_async): input must be int32 with 8 * threads elements");
+    out = at::zeros({p.threads, 12}, opts.dtype(at::kInt));
   } else if (name == "smem_overflow") {
     p.kind = static_cast<int>(SelftestKind::kSmemOverflow);
     p.threads = static_cast<int>(arg(args, 0, name));

@@ -17,7 +17,7 @@ constexpr OpKernels<TreeAttentionParams> kAttentionKernels{
 template <Backend kBackend>
 Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& past_len, const Tensor& packed, c10::optional<double> scale,
-                      const c10::optional<Tensor>& prefix_len) {
+                      const c10::optional<Tensor>& prefix_len, c10::optional<int64_t> num_splits) {
   constexpr const char* op = "tree_attention";
   TORCH_CHECK(q.dim() == 4, op, ": q must be a 4-D tensor [B, N, Hq, D], got shape ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), op,
@@ -89,6 +89,8 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   p.s_max = S;
   p.scale = attention_scale(scale, D);
   p.out = out.data_ptr();
+  const AttentionWorkspace ws = plan_attention_splits(op, kBackend, q, num_splits, B, N, Hq, Hkv, D, S);
+  p.split = ws.split;
   run_op<kBackend>(op, kAttentionKernels, p, q, B * Hkv, 1);
   return out;
 }

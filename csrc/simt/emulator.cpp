@@ -84,10 +84,20 @@ struct Stack {
   }
 };
 
+// A cp.async copy in flight: the source bytes are read at issue, the shared-memory destination
+// is written only when a cp.async.wait_group retires its group, so a kernel that reads the
+// buffer before waiting sees stale data in the emulator too.
+struct AsyncCopy {
+  void* dst;
+  unsigned char bytes[16];
+};
+
 struct Fiber {
   ucontext_t ctx;
   State state = State::Done;
   dim3 tid;
+  std::vector<AsyncCopy> open_group;               // issued, not yet committed
+  std::vector<std::vector<AsyncCopy>> committed;   // oldest first
 };
 
 constexpr size_t kSmemGuard = 256;
@@ -161,6 +171,8 @@ void fiber_entry() {
     if (c.mask & bit)
       fail(b, std::string("exited while lanes ") + hex(c.arrived) + " of its warp wait for it in " +
                   op_name(c.op) + " with mask " + hex(c.mask));
+  if (!b.fibers[t].open_group.empty() || !b.fibers[t].committed.empty())
+    fail(b, "exited with cp.async copies it never waited for (cp.async.wait_group)");
   b.fibers[t].state = State::Done;
   switch_to_scheduler(b);
   std::abort();
@@ -390,6 +402,8 @@ void run_block(Block& b) {
   for (int i = 0; i < n; ++i) {
     Fiber& f = b.fibers[i];
     f.state = State::Runnable;
+    f.open_group.clear();
+    f.committed.clear();
     f.tid = dim3(i % b.block_dim.x, (i / b.block_dim.x) % b.block_dim.y,
                  i / (b.block_dim.x * b.block_dim.y));
     getcontext(&f.ctx);
@@ -478,6 +492,31 @@ unsigned activemask() {
 }
 
 void threadfence() {}
+
+void cp_async_16(void* smem_dst, const void* global_src) {
+  Block& b = current_block("cp.async");
+  if (reinterpret_cast<uintptr_t>(smem_dst) % 16 || reinterpret_cast<uintptr_t>(global_src) % 16)
+    fail(b, "cp.async of 16 bytes needs 16-byte aligned source and destination addresses");
+  AsyncCopy c;
+  c.dst = smem_dst;
+  std::memcpy(c.bytes, global_src, 16);
+  b.fibers[b.current].open_group.push_back(c);
+}
+
+void cp_async_commit() {
+  Fiber& f = current_block("cp.async.commit_group").fibers[tl_block->current];
+  f.committed.push_back(std::move(f.open_group));
+  f.open_group.clear();
+}
+
+void cp_async_wait(int pending_groups) {
+  Fiber& f = current_block("cp.async.wait_group").fibers[tl_block->current];
+  const size_t keep = static_cast<size_t>(std::max(pending_groups, 0));
+  while (f.committed.size() > keep) {
+    for (const AsyncCopy& c : f.committed.front()) std::memcpy(c.dst, c.bytes, 16);
+    f.committed.erase(f.committed.begin());
+  }
+}
 
 void* dynamic_smem() { return current_block("dynamic shared memory").smem; }
 

@@ -60,6 +60,12 @@ unsigned activemask();
 void threadfence();
 void* dynamic_smem();
 
+// cp.async.cg.shared.global (16 bytes), cp.async.commit_group and cp.async.wait_group N: copies
+// land in shared memory only when a wait retires their group (see emulator.cpp).
+void cp_async_16(void* smem_dst, const void* global_src);
+void cp_async_commit();
+void cp_async_wait(int pending_groups);
+
 enum class ShflMode : uint32_t { Idx = 0, Up = 1, Down = 2, Xor = 3 };
 uint64_t shfl_bits(unsigned mask, uint64_t bits, int lane_arg, int width, ShflMode mode);
 

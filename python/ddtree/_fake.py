@@ -59,12 +59,13 @@ def _register(namespace: str) -> None:
         return None
 
     @torch.library.register_fake(f"{namespace}::tree_attention")
-    def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None, prefix_len=None):
+    def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None, prefix_len=None,
+                        num_splits=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(f"{namespace}::draft_attention")
     def _draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight,
-                         k_norm_weight, cos, sin, num_context, eps, scale=None):
+                         k_norm_weight, cos, sin, num_context, eps, scale=None, num_splits=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(f"{namespace}::commit_kv_")

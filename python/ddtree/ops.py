@@ -188,25 +188,28 @@ def commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
 
 
 def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None,
-                   prefix_len: Optional[torch.Tensor] = None):
+                   prefix_len: Optional[torch.Tensor] = None, num_splits: Optional[int] = None):
     """Verify-pass attention (no dense mask): q [B, N, Hq, D] of the tree rows; k_cache / v_cache
     [B, Hkv, S, D] holding each request's prefix [0, past_len) followed by the tree rows; packed
     visibility rows [B, N, ceil(N/32)] (tree_visibility). Prefix fully visible, tree block per the
     bits; GQA; scale defaults to 1/sqrt(D). Returns [B, N, Hq, D]. CUDA: bf16 / fp16, D in
     {64, 128, 256}, mma.sync tiles. prefix_len [B]: only the first prefix_len[b] prefix rows are
-    visible (batched caches whose requests have fewer valid rows than the shared tree start)."""
+    visible (batched caches whose requests have fewer valid rows than the shared tree start).
+    num_splits (CUDA kernel; the CPU path ignores it): key ranges per request computed by
+    separate blocks and merged (flash-decoding); None picks from the SM count and cache length."""
     return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, past_len, packed, scale,
-                                           prefix_len)
+                                           prefix_len, num_splits)
 
 
 def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,
-                    cos, sin, num_context: int, eps: float, scale: Optional[float] = None):
+                    cos, sin, num_context: int, eps: float, scale: Optional[float] = None,
+                    num_splits: Optional[int] = None):
     """Fused DFlash draft-layer attention (SPEC §8), one launch: q [B, Lq, Hq, D] and k_new / v_new
     [B, C + Lq, Hkv, D] are projection outputs; q / k get RMSNorm (weights [D], eps) and RoPE
     (cos / sin [B, C + Lq, D] for the new rows, block rows last); the C new context rows are
     appended to k_cache / v_cache [B, Hkv, S, D] at cache_len (in place; the caller then adds C to
     cache_len); every block query attends, non-causally, to cache + new context + block rows.
-    Returns [B, Lq, Hq, D]."""
+    Returns [B, Lq, Hq, D]. num_splits: as in tree_attention (long contexts at batch 1)."""
     return torch.ops.ddtree.draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len,
                                             q_norm_weight, k_norm_weight, cos, sin,
-                                            int(num_context), float(eps), scale)
+                                            int(num_context), float(eps), scale, num_splits)
