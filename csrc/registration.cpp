@@ -43,7 +43,7 @@ void define_public_ops(torch::Library& m) {
       "draft_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor cache_len, Tensor q_norm_weight, Tensor k_norm_weight, "
       "Tensor cos, Tensor sin, int num_context, float eps, float? scale=None, "
-      "int? num_splits=None) -> Tensor");
+      "int? num_splits=None, Tensor? context_len=None) -> Tensor");
   m.def(
       "commit_kv_(Tensor(a!) cache, Tensor past_len, Tensor accepted, Tensor accept_len, "
       "str layout=\"BHSD\", Tensor? dst_len=None) -> ()");

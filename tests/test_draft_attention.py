@@ -31,32 +31,33 @@ def case(seed, batch=2, lq=16, context=(5,), hq=4, hkv=2, d=64, cached=(7, 0), s
     return tensors + [torch.tensor(cached), qw, kw, emb.cos(), emb.sin(), c, 1e-6]
 
 
-def run(backend, c, scale=None, num_splits=None):
+def run(backend, c, scale=None, num_splits=None, context_len=None):
     dev = "cpu" if backend == "cpu" else kernel_device(backend)
     ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
     args = [x.clone().to(dev) if isinstance(x, torch.Tensor) else x for x in c]
-    out = ops.draft_attention(*args, scale, num_splits)
+    lens = None if context_len is None else context_len.to(dev)
+    out = ops.draft_attention(*args, scale, num_splits, lens)
     return out.cpu(), args[3].cpu(), args[4].cpu()
 
 
-def check(backend, c, scale=None, num_splits=None):
-    out, k_cache, v_cache = run(backend, c, scale, num_splits)
-    truth, new_k, new_v = reference.draft_attention(*c, scale)
+def check(backend, c, scale=None, num_splits=None, context_len=None):
+    out, k_cache, v_cache = run(backend, c, scale, num_splits, context_len)
+    truth, new_k, new_v = reference.draft_attention(*c, scale, context_len)
     q = c[0]
     own = reference.draft_attention(*[x.float() if isinstance(x, torch.Tensor) and x.is_floating_point()
-                                      else x for x in c[:5]], *c[5:], scale)[0]
+                                      else x for x in c[:5]], *c[5:], scale, context_len)[0]
     own_err = (own.to(q.dtype).double() - truth).abs().max().item()
     floor = 4 * torch.finfo(q.dtype).eps * truth.abs().max().item()
     err = (out.double() - truth).abs().max().item()
     assert out.dtype == q.dtype and out.shape == q.shape
     assert err <= 2 * own_err + floor, (err, own_err, floor)
     # The new context rows were appended at cache_len (K normed + roped); nothing else moved.
-    cached, ctx = c[5], c[10]
+    cached = c[5]
     for b in range(q.shape[0]):
-        at = int(cached[b])
-        torch.testing.assert_close(k_cache[b, :, at: at + ctx].double(), new_k[b].transpose(0, 1),
+        at, ctx = int(cached[b]), c[10] if context_len is None else int(context_len[b])
+        torch.testing.assert_close(k_cache[b, :, at: at + ctx].double(), new_k[b, :ctx].transpose(0, 1),
                                    rtol=2e-2, atol=2e-2)
-        assert torch.equal(v_cache[b, :, at: at + ctx], new_v[b].transpose(0, 1))
+        assert torch.equal(v_cache[b, :, at: at + ctx], new_v[b, :ctx].transpose(0, 1))
         keep = torch.ones(k_cache.shape[2], dtype=torch.bool)
         keep[at: at + ctx] = False
         assert torch.equal(k_cache[b][:, keep], c[3][b][:, keep])
@@ -96,6 +97,15 @@ def test_long_context_batch1_splits_automatically(backend):
     check(backend, case(8, batch=1, hq=2, hkv=1, cached=(600,), s=640, context=(6,), lq=8))
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_per_request_context_length(backend, splits):
+    """A batch whose requests bring different numbers of new context rows: the padding rows are
+    neither attended nor appended to the cache."""
+    c = case(9, batch=3, cached=(20, 0, 33), s=60, context=(6,), lq=16)
+    check(backend, c, num_splits=splits, context_len=torch.tensor([6, 0, 2]))
+
+
 @pytest.mark.parametrize("namespace", ["ddtree", "ddtree_emu"])
 def test_opcheck(namespace):
     c = case(4, lq=3, context=(2,))
@@ -119,3 +129,7 @@ def test_bad_input():
         torch.ops.ddtree_emu.draft_attention(*case(6, d=40), None)
     with pytest.raises(RuntimeError, match=r"num_splits must be in \[1, 64\]"):
         torch.ops.ddtree_emu.draft_attention(*c, None, 0)
+    with pytest.raises(RuntimeError, match=r"context_len must be in \[0, num_context = 5\]"):
+        op(*c, None, None, torch.tensor([6, 1]))
+    with pytest.raises(RuntimeError, match=r"context_len must have shape \[B\]"):
+        op(*c, None, None, torch.tensor([1]))

@@ -15,6 +15,7 @@ struct DraftAttentionParams {
   void* k_cache = nullptr;        // [B, Hkv, S, D] contiguous; rows [0, cache_len) committed
   void* v_cache = nullptr;
   const int64_t* cache_len = nullptr;  // [B]
+  const int64_t* context_len = nullptr;  // [B] valid new context rows (<= context); null: context
   const float* q_norm = nullptr;  // [D] RMSNorm weights
   const float* k_norm = nullptr;  // [D]
   float eps = 1e-6f;
@@ -40,6 +41,20 @@ DDTREE_HOST_DEVICE void norm_rope_row(float* x, int64_t d, const float* w, float
     x[j] = a * cos[j] - b * sin[j];
     x[j + half] = b * cos[j + half] + a * sin[j + half];
   }
+}
+
+// Valid new context rows of request b: rows [context_len, context) of k_new / v_new are padding
+// (a batch whose requests bring different numbers of new rows), neither attended nor cached.
+DDTREE_HOST_DEVICE int64_t draft_context_len(const DraftAttentionParams& p, int64_t b) {
+  return p.context_len ? p.context_len[b] : p.context;
+}
+
+// Keys of request b: [0, cached) cache rows, then its context_len new context rows, then the Lq
+// block rows. Returns the k_new / v_new row of a key >= cached.
+DDTREE_HOST_DEVICE int64_t draft_new_row(const DraftAttentionParams& p, int64_t cached,
+                                         int64_t context_len, int64_t key) {
+  const int64_t t = key - cached;
+  return t < context_len ? t : p.context + (t - context_len);
 }
 
 DDTREE_HOST_DEVICE int64_t draft_cache_row(const DraftAttentionParams& p, int64_t b, int64_t kh,

@@ -10,7 +10,8 @@ void draft_attention_requests(const DraftAttentionParams& p, int64_t begin, int6
   const int64_t D = p.d, T = p.t, rep = p.hq / p.hkv;
   std::vector<float> keys_new(p.hkv * T * D), q(D), acc(D), score;
   for (int64_t b = begin; b < end; ++b) {
-    const int64_t cached = p.cache_len[b], total = cached + T;
+    const int64_t cached = p.cache_len[b], ctx_len = draft_context_len(p, b);
+    const int64_t total = cached + ctx_len + p.lq;
     // New key rows: norm + RoPE; context rows (and their values) go into the cache.
     for (int64_t kh = 0; kh < p.hkv; ++kh)
       for (int64_t t = 0; t < T; ++t) {
@@ -18,7 +19,7 @@ void draft_attention_requests(const DraftAttentionParams& p, int64_t begin, int6
         const int64_t src = ((b * T + t) * p.hkv + kh) * D;
         for (int64_t j = 0; j < D; ++j) row[j] = load_elem(p.k_new, p.dtype, src + j);
         norm_rope_row(row, D, p.k_norm, p.eps, p.cos + (b * T + t) * D, p.sin + (b * T + t) * D);
-        if (t < p.context) {
+        if (t < ctx_len) {
           const int64_t dst = draft_cache_row(p, b, kh, cached + t);
           for (int64_t j = 0; j < D; ++j) {
             store_elem(p.k_cache, p.dtype, dst + j, row[j]);
@@ -41,7 +42,7 @@ void draft_attention_requests(const DraftAttentionParams& p, int64_t begin, int6
             const int64_t row = draft_cache_row(p, b, kh, j);
             for (int64_t e = 0; e < D; ++e) dot += q[e] * load_elem(p.k_cache, p.dtype, row + e);
           } else {
-            const float* row = keys_new.data() + (kh * T + j - cached) * D;
+            const float* row = keys_new.data() + (kh * T + draft_new_row(p, cached, ctx_len, j)) * D;
             for (int64_t e = 0; e < D; ++e) dot += q[e] * row[e];
           }
           score[j] = dot * p.scale;
@@ -54,7 +55,8 @@ void draft_attention_requests(const DraftAttentionParams& p, int64_t begin, int6
           sum += w;
           for (int64_t e = 0; e < D; ++e)
             acc[e] += w * (j < cached ? load_elem(p.v_cache, p.dtype, draft_cache_row(p, b, kh, j) + e)
-                                      : load_elem(p.v_new, p.dtype, ((b * T + j - cached) * p.hkv + kh) * D + e));
+                                      : load_elem(p.v_new, p.dtype,
+                                                  ((b * T + draft_new_row(p, cached, ctx_len, j)) * p.hkv + kh) * D + e));
         }
         const int64_t dst = ((b * p.lq + r) * p.hq + h) * D;
         for (int64_t e = 0; e < D; ++e) store_elem(p.out, p.dtype, dst + e, acc[e] / sum);

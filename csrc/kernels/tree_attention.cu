@@ -389,8 +389,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t kh = blockIdx.y, b = blockIdx.z / p.split.splits, split = blockIdx.z % p.split.splits;
   const WarpItem item = warp_item(p.lq, p.hq, p.hkv, kh);
-  const int64_t cached = p.cache_len[b];
-  const KeyRange range = split_keys<kChunk>(cached + p.t, p.split.splits, split);
+  const int64_t cached = p.cache_len[b], ctx_len = draft_context_len(p, b);
+  const KeyRange range = split_keys<kChunk>(cached + ctx_len + p.lq, p.split.splits, split);
   const bool writer = blockIdx.x == 0;
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k_new = static_cast<const uint16_t*>(p.k_new);
@@ -433,13 +433,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
     for (int c = warp; c < kChunk; c += kAttnWarps) {
       const int64_t key = key0 + c;
       if (key < cached || key >= range.end) continue;
-      const int64_t t = key - cached, src = ((b * p.t + t) * p.hkv + kh) * kD;
+      const int64_t t = draft_new_row(p, cached, ctx_len, key), src = ((b * p.t + t) * p.hkv + kh) * kD;
       uint16_t* dk = tile.k[buf] + c * kD;
       uint16_t* dv = tile.v[buf] + c * kD;
       norm_rope_row_warp<kD, kBf16>(k_new + src, p.k_norm, p.eps, p.cos + (b * p.t + t) * kD,
                                     p.sin + (b * p.t + t) * kD, buf_row, dk);
       for (int j = lane; j < kD; j += 32) dv[j] = v_new[src + j];
-      if (writer && t < p.context) {
+      if (writer && t < ctx_len) {
         const int64_t row = draft_cache_row(p, b, kh, key);
         for (int j = lane; j < kD; j += 32) {
           k_cache[row + j] = dk[j];

@@ -19,7 +19,8 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& cache_len,
                        const Tensor& q_norm_weight, const Tensor& k_norm_weight, const Tensor& cos,
                        const Tensor& sin, int64_t num_context, double eps,
-                       c10::optional<double> scale, c10::optional<int64_t> num_splits) {
+                       c10::optional<double> scale, c10::optional<int64_t> num_splits,
+                       const c10::optional<Tensor>& context_len) {
   constexpr const char* op = "draft_attention";
   TORCH_CHECK(q.dim() == 4, op, ": q must be a 4-D tensor [B, Lq, Hq, D], got shape ", q.sizes());
   const int64_t B = q.size(0), Lq = q.size(1), Hq = q.size(2), D = q.size(3);
@@ -57,10 +58,25 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
     check_same_device(op, name, *t, q);
   const int64_t S = k_cache.size(2);
   const Tensor len = cache_len.to(at::kLong).contiguous();
+  Tensor ctx_len;
+  if (context_len.has_value() && context_len->defined()) {
+    check_index_tensor(op, "context_len", *context_len);
+    TORCH_CHECK(context_len->dim() == 1 && context_len->size(0) == B, op,
+                ": context_len must have shape [B] = [", B, "], got ", context_len->sizes());
+    check_same_device(op, "context_len", *context_len, q);
+    ctx_len = context_len->to(at::kLong).contiguous();
+  }
   if (B > 0 && should_validate_values(q)) {
-    const int64_t low = len.min().item<int64_t>(), high = len.max().item<int64_t>();
-    TORCH_CHECK(low >= 0 && high + num_context <= S, op, ": cache overflow: cache_len in [", low,
-                ", ", high, "] + num_context ", num_context, " exceeds the cache's ", S, " rows");
+    const int64_t low = len.min().item<int64_t>();
+    const int64_t high = ctx_len.defined() ? (len + ctx_len).max().item<int64_t>()
+                                           : len.max().item<int64_t>() + num_context;
+    TORCH_CHECK(low >= 0 && high <= S, op, ": cache overflow: cache_len (min ", low,
+                ") + new context rows reach ", high, ", beyond the cache's ", S, " rows");
+    if (ctx_len.defined()) {
+      const int64_t c_low = ctx_len.min().item<int64_t>(), c_high = ctx_len.max().item<int64_t>();
+      TORCH_CHECK(c_low >= 0 && c_high <= num_context, op, ": context_len must be in [0, num_context = ",
+                  num_context, "], got values in [", c_low, ", ", c_high, "]");
+    }
   }
   const Tensor qc = q.contiguous(), kc = k_new.contiguous(), vc = v_new.contiguous();
   const Tensor qw = q_norm_weight.to(at::kFloat).contiguous(), kw = k_norm_weight.to(at::kFloat).contiguous();
@@ -73,6 +89,7 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.cache_len = len.data_ptr<int64_t>();
+  p.context_len = ctx_len.defined() ? ctx_len.data_ptr<int64_t>() : nullptr;
   p.q_norm = qw.data_ptr<float>();
   p.k_norm = kw.data_ptr<float>();
   p.eps = static_cast<float>(eps);

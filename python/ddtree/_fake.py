@@ -65,7 +65,8 @@ def _register(namespace: str) -> None:
 
     @torch.library.register_fake(f"{namespace}::draft_attention")
     def _draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight,
-                         k_norm_weight, cos, sin, num_context, eps, scale=None, num_splits=None):
+                         k_norm_weight, cos, sin, num_context, eps, scale=None, num_splits=None,
+                         context_len=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(f"{namespace}::commit_kv_")

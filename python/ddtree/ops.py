@@ -203,13 +203,17 @@ def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float]
 
 def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,
                     cos, sin, num_context: int, eps: float, scale: Optional[float] = None,
-                    num_splits: Optional[int] = None):
+                    num_splits: Optional[int] = None, context_len: Optional[torch.Tensor] = None):
     """Fused DFlash draft-layer attention (SPEC §8), one launch: q [B, Lq, Hq, D] and k_new / v_new
     [B, C + Lq, Hkv, D] are projection outputs; q / k get RMSNorm (weights [D], eps) and RoPE
     (cos / sin [B, C + Lq, D] for the new rows, block rows last); the C new context rows are
     appended to k_cache / v_cache [B, Hkv, S, D] at cache_len (in place; the caller then adds C to
     cache_len); every block query attends, non-causally, to cache + new context + block rows.
-    Returns [B, Lq, Hq, D]. num_splits: as in tree_attention (long contexts at batch 1)."""
+    Returns [B, Lq, Hq, D]. num_splits: as in tree_attention (long contexts at batch 1).
+    context_len [B] (<= num_context): request b brings only its first context_len[b] new context
+    rows (the rest is padding: not attended, not cached; the caller adds context_len to
+    cache_len)."""
     return torch.ops.ddtree.draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len,
                                             q_norm_weight, k_norm_weight, cos, sin,
-                                            int(num_context), float(eps), scale, num_splits)
+                                            int(num_context), float(eps), scale, num_splits,
+                                            context_len)

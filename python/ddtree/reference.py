@@ -354,19 +354,23 @@ def _rms_rope(x, weight, eps, cos, sin):
 
 
 def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,
-                    cos, sin, num_context, eps, scale=None):
+                    cos, sin, num_context, eps, scale=None, context_len=None):
     """(out [B, Lq, Hq, D] float64, new K rows [B, C, Hkv, D], new V rows): norm + RoPE, then
-    non-causal SDPA of the block queries over [cache[:cache_len]; new context; block]."""
+    non-causal SDPA of the block queries over [cache[:cache_len]; new context; block]; with
+    context_len [B] only the first context_len[b] new context rows of request b take part."""
     batch, lq, hq, _ = q.shape
     hkv = k_new.shape[2]
     outs, new_k = [], []
     for b in range(batch):
         cached = int(cache_len[b])
+        c = num_context if context_len is None else int(context_len[b])
         kn = _rms_rope(k_new[b], k_norm_weight, eps, cos[b][:, None], sin[b][:, None])
         qn = _rms_rope(q[b], q_norm_weight, eps, cos[b, num_context:][:, None],
                        sin[b, num_context:][:, None])
-        keys = torch.cat([k_cache[b, :, :cached].transpose(0, 1).double(), kn], 0)
-        values = torch.cat([v_cache[b, :, :cached].transpose(0, 1).double(), v_new[b].double()], 0)
+        rows = list(range(c)) + list(range(num_context, k_new.shape[1]))
+        keys = torch.cat([k_cache[b, :, :cached].transpose(0, 1).double(), kn[rows]], 0)
+        values = torch.cat([v_cache[b, :, :cached].transpose(0, 1).double(),
+                            v_new[b, rows].double()], 0)
         rep = hq // hkv
         o = torch.nn.functional.scaled_dot_product_attention(
             qn.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(rep, 0),
