@@ -284,6 +284,34 @@ def test_fused_draft_attention_gives_the_same_proposals():
     assert generate(target, fused, ids, 12).tokens == greedy_reference(target, ids, 12)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_batched_drafter_proposes_what_each_request_alone_proposes(fused):
+    """One propose() for three requests whose contexts grow by different numbers of rows per round
+    (right-padded, masked; draft_attention's context_len when fused) equals three one-request
+    drafters, round after round; the context caches hold the same rows."""
+    target = tiny_target()
+    drafter = tiny_drafter()
+    drafter.fused_attention = fused
+    width = HIDDEN * len(drafter.target_layer_ids)
+    g = torch.Generator().manual_seed(1)
+    batch_cache = drafter.new_cache(3)
+    alone = [drafter.new_cache() for _ in range(3)]
+    for round_ in range(5):
+        counts = [(3 * round_ + b) % 7 + (1 if round_ == 0 else 0) for b in range(3)]
+        feats = [torch.randn(1, c, width, generator=g) for c in counts]
+        bonus = torch.randint(0, VOCAB, (3,), generator=g)
+        together = drafter.propose(target, bonus, feats, batch_cache)
+        one_by_one = torch.cat([drafter.propose(target, bonus[b:b + 1], feats[b], alone[b])
+                                for b in range(3)])
+        torch.testing.assert_close(together, one_by_one, rtol=1e-4, atol=1e-4)
+    assert batch_cache.lengths == [c.length for c in alone]
+    for b in range(3):
+        rows = alone[b].length
+        torch.testing.assert_close(batch_cache.layers[0][0][b, :, :rows], alone[b].layers[0][0][0, :, :rows])
+    with pytest.raises(ValueError, match="must agree"):
+        drafter.propose(target, bonus[:2], feats, batch_cache)
+
+
 def tiny_hybrid(seed=3, kind="qwen3_5"):
     from transformers import Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM

@@ -9,8 +9,9 @@ sampling. Verification attention: the "ddtree" attention implementation (`ddtree
 use_tree_attention(target)`: the tree_attention op on packed visibility rows), otherwise the
 target's own attention with the dense additive tree mask through transformers' 4-D mask path.
 Host synchronisation inside a round: one copy of the verdict (accepted paths, lengths, bonus
-tokens, tree tokens) to the host, needed to crop the shared KV cache, stream and stop. The
-drafter runs request by request (the requests' contexts differ in length).
+tokens, tree tokens) to the host, needed to crop the shared KV cache, stream and stop. The DFlash drafter
+drafts the whole batch in one pass (`batched = True`: new context rows right-padded and masked);
+drafters without it are called request by request.
 """
 from __future__ import annotations
 
@@ -181,7 +182,13 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     cache = _merge_caches(target, caches, valid_h)
     phys = max(valid_h)
     bonus = torch.cat(first)
-    draft_caches = [drafter.new_cache() for _ in range(batch)] if speculative else None
+    batched_drafter = speculative and getattr(drafter, "batched", False)
+    if not speculative:
+        draft_caches = None
+    elif batched_drafter:
+        draft_caches = drafter.new_cache(batch)
+    else:
+        draft_caches = [drafter.new_cache() for _ in range(batch)]
     tokens = [[int(t)] for t in bonus.tolist()]
     lengths: List[List[int]] = [[] for _ in range(batch)]
     if streamer:
@@ -195,7 +202,9 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     stages = dict(draft=0.0, tree=0.0, verify=0.0, commit=0.0)
     while not all(finished(b) for b in range(batch)):
         t0 = time.perf_counter()
-        if speculative:
+        if batched_drafter:
+            logits = drafter.propose(target, bonus, features, draft_caches)
+        elif speculative:
             logits = torch.cat([drafter.propose(target, bonus[b:b + 1], features[b], draft_caches[b])
                                 for b in range(batch)])
         t1 = time.perf_counter()

@@ -60,56 +60,66 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, cache_len=0, fused=False):
-        """x [B, S, H] (normed block rows), ctx [B, C, H] new context rows; rope_* = (cos, sin);
-        cache_kv: (K, V) [B, Hkv, C_cached, D] or None. Returns (out [B, S, H], (K_ctx, V_ctx)
-        with the new context rows appended). fused: one draft_attention launch on a preallocated
-        cache (K, V) [B, Hkv, capacity, D] whose first cache_len rows are committed."""
-        if fused:
-            return self._forward_fused(x, ctx, rope_kv, cache_kv, cache_len)
+    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, ctx_rows: "_ContextRows", fused=False):
+        """x [B, S, H] (normed block rows), ctx [B, C, H] new context rows (request b's first
+        ctx_rows.new[b] valid, the rest padding); rope_q / rope_kv = (cos, sin) of the block rows /
+        of [ctx; block]; cache_kv = (K, V) [B, Hkv, capacity, D], request b's first
+        ctx_rows.cached[b] rows committed. Appends the valid context rows to the cache and returns
+        the attention output [B, S, H]. fused: one draft_attention launch; else projections,
+        norm, RoPE and SDPA with a key mask (the reference path)."""
         b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        c = ctx.shape[1]
         kv_in = torch.cat([ctx, x], 1)
-        t = kv_in.shape[1]
-        k = self.k_norm(self.k_proj(kv_in).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, _ = apply_rotary_pos_emb(q, q, *rope_q)
-        k, _ = apply_rotary_pos_emb(k, k, *rope_kv)
-        c = ctx.shape[1]
-        k_ctx, v_ctx = k[:, :, :c], v[:, :, :c]
-        if cache_kv is not None:
-            k_ctx = torch.cat([cache_kv[0], k_ctx], 2)
-            v_ctx = torch.cat([cache_kv[1], v_ctx], 2)
-        keys = torch.cat([k_ctx, k[:, :, c:]], 2)
-        values = torch.cat([v_ctx, v[:, :, c:]], 2)
-        rep = self.num_heads // self.num_kv_heads
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1))  # non-causal
-        out = self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-        return out, (k_ctx, v_ctx)
-
-
-    def _forward_fused(self, x, ctx, rope_kv, cache_kv, cache_len):
-        from ..ops import draft_attention
-
-        b, s, _ = x.shape
-        c = ctx.shape[1]
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        kv_in = torch.cat([ctx, x], 1)
         k = self.k_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim)
-        if cache_kv is None or cache_kv[0].shape[2] < cache_len + c:
-            capacity = max(2 * (cache_kv[0].shape[2] if cache_kv else 0), cache_len + c + 64)
-            grown = tuple(x.new_zeros(b, self.num_kv_heads, capacity, self.head_dim) for _ in range(2))
-            if cache_kv is not None:
-                for old, new in zip(cache_kv, grown):
-                    new[:, :, :cache_len] = old[:, :, :cache_len]
-            cache_kv = grown
-        lens = torch.full((b,), cache_len, dtype=torch.long, device=x.device)
-        out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], lens, self.q_norm.weight,
-                              self.k_norm.weight, rope_kv[0], rope_kv[1], c,
-                              self.q_norm.variance_epsilon)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), cache_kv
+        if fused:
+            from ..ops import draft_attention
+
+            out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], ctx_rows.cached_t,
+                                  self.q_norm.weight, self.k_norm.weight, rope_kv[0], rope_kv[1], c,
+                                  self.q_norm.variance_epsilon, context_len=ctx_rows.new_t)
+            return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
+        v = v.transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, *rope_q)
+        k, _ = apply_rotary_pos_emb(k, k, *rope_kv)
+        rows, at = ctx_rows.scatter_index
+        cache_kv[0][rows, :, at] = k[rows, :, ctx_rows.scatter_src]
+        cache_kv[1][rows, :, at] = v[rows, :, ctx_rows.scatter_src]
+        span = ctx_rows.span
+        keys = torch.cat([cache_kv[0][:, :, :span], k[:, :, c:]], 2)
+        values = torch.cat([cache_kv[1][:, :, :span], v[:, :, c:]], 2)
+        rep = self.num_heads // self.num_kv_heads
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+            attn_mask=ctx_rows.key_mask(s))  # non-causal
+        return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class _ContextRows:
+    """Where one propose() round's new context rows go, per request: cached[b] rows already in
+    the cache, new[b] valid rows appended at cached[b] (host lists and device tensors)."""
+
+    def __init__(self, cached: List[int], new: List[int], device):
+        self.cached, self.new = cached, new
+        self.cached_t = torch.tensor(cached, dtype=torch.long, device=device)
+        self.new_t = torch.tensor(new, dtype=torch.long, device=device)
+        self.span = max(c + n for c, n in zip(cached, new))  # cache rows any request sees
+        rows = [b for b, n in enumerate(new) for _ in range(n)]
+        src = [j for n in new for j in range(n)]
+        at = [cached[b] + j for b, j in zip(rows, src)]
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        self.scatter_index = (as_t(rows), as_t(at))
+        self.scatter_src = as_t(src)
+        self.device = device
+
+    def key_mask(self, block_rows: int) -> torch.Tensor:
+        """[B, 1, 1, span + block_rows]: request b sees its cached + new rows and the block."""
+        valid = torch.arange(self.span, device=self.device)[None] < (self.cached_t + self.new_t)[:, None]
+        block = torch.ones(valid.shape[0], block_rows, dtype=torch.bool, device=self.device)
+        return torch.cat([valid, block], 1)[:, None, None]
 
 
 class DFlashLayer(nn.Module):
@@ -120,20 +130,43 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, cache_len=0, fused=False):
-        attn, cache_kv = self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, cache_kv,
-                                        cache_len, fused)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
+    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, ctx_rows, fused=False):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, cache_kv, ctx_rows, fused)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 @dataclass
 class DraftCache:
-    """Context K/V per draft layer and the context length (positions 0..length-1). Unfused: K/V
-    [B, Hkv, length, D]; fused (draft_attention): preallocated [B, Hkv, capacity, D]."""
+    """The drafter's context K/V for a batch: per draft layer (K, V) [B, Hkv, capacity, D],
+    preallocated and grown by doubling; request b's context is rows [0, lengths[b]) (positions
+    0..lengths[b]-1). fused: propose() runs the draft_attention op."""
     layers: List[Optional[tuple]] = field(default_factory=list)
-    length: int = 0
+    lengths: List[int] = field(default_factory=lambda: [0])
     fused: bool = False
+
+    @property
+    def length(self) -> int:
+        """The context length of a one-request cache."""
+        if len(self.lengths) != 1:
+            raise ValueError("DraftCache.length: the cache holds several requests; use lengths")
+        return self.lengths[0]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.layers[0] is None else self.layers[0][0].shape[2]
+
+    def reserve(self, rows: int, make) -> None:
+        """Grows every layer to at least `rows` rows (capacity doubles), keeping the contents;
+        make(capacity) allocates one empty [B, Hkv, capacity, D] tensor."""
+        if self.capacity >= rows:
+            return
+        capacity = max(2 * self.capacity, rows + 64)
+        for i, kv in enumerate(self.layers):
+            grown = (make(capacity), make(capacity))
+            if kv is not None:
+                for old, new in zip(kv, grown):
+                    new[:, :, : old.shape[2]] = old
+            self.layers[i] = grown
 
 
 class DFlashDrafter(nn.Module):
@@ -231,30 +264,46 @@ class DFlashDrafter(nn.Module):
         return (w.is_cuda and has_cuda_kernels() and w.dtype in (torch.bfloat16, torch.float16)
                 and head_dim in (64, 128, 256))
 
-    def new_cache(self) -> DraftCache:
-        return DraftCache([None] * len(self.layers), 0, self._use_fused())
+    def new_cache(self, batch: int = 1) -> DraftCache:
+        return DraftCache([None] * len(self.layers), [0] * batch, self._use_fused())
+
+    # generate_batch drafts all requests in one propose() call (features as a list)
+    batched = True
 
     @torch.no_grad()
-    def propose(self, target, bonus: torch.Tensor, features: torch.Tensor,
-                cache: DraftCache) -> torch.Tensor:
-        """bonus [B] (the block's first token), features [B, C, n*H] of the target tokens not yet
-        in the drafter's context (they sit at positions cache.length ..). Appends them to the
-        context cache and returns draft logits [B, block_size - 1, V]."""
+    def propose(self, target, bonus: torch.Tensor, features, cache: DraftCache) -> torch.Tensor:
+        """bonus [B] (each block's first token); features: [B, C, n*H], or a list of B tensors
+        [1, C_b, n*H] / [C_b, n*H] when the requests bring different numbers of rows — the target
+        features of tokens not yet in the drafter's context (request b's sit at positions
+        cache.lengths[b] ..). Appends them to the context cache and returns draft logits
+        [B, block_size - 1, V]. One pass for the whole batch: new rows right-padded, padding
+        masked (draft_attention's context_len when fused)."""
         b = bonus.shape[0]
         device = bonus.device
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        if isinstance(features, torch.Tensor):
+            features = list(features)
+        feats = [f.reshape(-1, f.shape[-1]) for f in features]
+        if len(feats) != b or len(cache.lengths) != b:
+            raise ValueError(f"DFlashDrafter.propose: {b} bonus tokens, {len(feats)} feature rows "
+                             f"and a cache of {len(cache.lengths)} requests must agree")
+        new = [f.shape[0] for f in feats]
+        ctx = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True) if max(new) > 0 \
+            else feats[0].new_zeros(b, 0, feats[0].shape[-1])
+        ctx = self.hidden_norm(self.fc(ctx.to(self.fc.weight.dtype)))
         c = ctx.shape[1]
-        start = cache.length + c
+        rows = _ContextRows(list(cache.lengths), new, device)
+        cache.reserve(rows.span, lambda cap: ctx.new_zeros(b, self.layers[0].self_attn.num_kv_heads,
+                                                           cap, self.layers[0].self_attn.head_dim))
         block = torch.full((b, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = bonus
         x = target.get_input_embeddings()(block).to(ctx.dtype)
-        pos_q = torch.arange(start, start + self.block_size, device=device).expand(b, -1)
-        pos_kv = torch.arange(cache.length, start + self.block_size, device=device).expand(b, -1)
+        first = (rows.cached_t + rows.new_t)[:, None]
+        pos_q = first + torch.arange(self.block_size, device=device)
+        pos_ctx = rows.cached_t[:, None] + torch.arange(c, device=device)
         rope_q = self.rotary_emb(x, pos_q)
-        rope_kv = self.rotary_emb(x, pos_kv)
+        rope_kv = self.rotary_emb(x, torch.cat([pos_ctx, pos_q], 1))
         for i, layer in enumerate(self.layers):
-            x, cache.layers[i] = layer(x, ctx, rope_q, rope_kv, cache.layers[i], cache.length,
-                                       cache.fused)
-        cache.length = start
+            x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], rows, cache.fused)
+        cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
         hidden = self.norm(x[:, 1:])
         return target.get_output_embeddings()(hidden.to(target.get_output_embeddings().weight.dtype))
