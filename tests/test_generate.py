@@ -442,3 +442,70 @@ def test_batch_bad_input():
         generate_batch(target, drafter, [[1, 2], [3]], 4, budget=[4])
     with pytest.raises(ValueError, match="for a batch pass a list of prompts"):
         generate(target, drafter, torch.ones(2, 3, dtype=torch.long), 4)
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
+def test_lossless_on_the_static_verify_path(mode, monkeypatch):
+    """The fixed-shape verify step that cuda_graph=True captures (transformers' StaticCache,
+    static buffers, tree start and write offset as device tensors), run eagerly on CPU: a batch of
+    different prompt lengths with deep acceptances equals each request's greedy decoding."""
+    from ddtree import hf
+    from ddtree.generate import generate_batch
+
+    from ddtree.static_verify import StaticVerifier
+
+    target = tiny_target(seed=3)
+    hf.use_tree_attention(target)
+    truths = [greedy_reference(target, torch.tensor([p]), 30) for p in PROMPTS]
+    oracle = BatchOracle(truths, [len(p) for p in PROMPTS])
+    runs = []
+    real_run = StaticVerifier.run
+    monkeypatch.setattr(StaticVerifier, "run", lambda self, *a: runs.append(self.n) or real_run(self, *a))
+    results = generate_batch(target, oracle, PROMPTS, 30, mode=mode, budget=[16, 8, 24],
+                             static_cache=True)
+    assert runs and set(runs) == {1 if mode == "autoregressive" else 8 if mode == "chain" else 25}
+    assert [r.tokens for r in results] == truths
+    if mode != "autoregressive":
+        assert min(r.tau for r in results) > 2
+    got = generate(target, tiny_drafter(), torch.tensor([PROMPTS[2]]), 12, mode=mode, budget=16,
+                   static_cache=True)
+    assert got.tokens == truths[2][:12]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and ddtree.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA build")
+def test_lossless_with_cuda_graph():
+    """cuda_graph=True on the GPU: captured once, replayed every round; the tokens equal the
+    target's greedy decoding (bf16 target, tree_attention kernel)."""
+    from ddtree import hf
+    from ddtree.generate import generate_batch
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=LAYERS,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                      intermediate_size=256, max_position_embeddings=512)
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    hf.use_tree_attention(target)
+    prompts = [torch.tensor(p, device="cuda") for p in PROMPTS]
+    truths = [greedy_reference(target, p[None], 24) for p in prompts]
+    oracle = BatchOracle(truths, [len(p) for p in PROMPTS])
+    oracle_propose = oracle.propose
+    oracle.propose = lambda *a: oracle_propose(*a).to("cuda")
+    results = generate_batch(target, oracle, prompts, 24, budget=16, cuda_graph=True)
+    assert [r.tokens for r in results] == truths
+
+
+def test_static_cache_bad_input():
+    from ddtree.generate import generate_batch
+
+    target, drafter = tiny_target(), tiny_drafter()
+    with pytest.raises(ValueError, match="call ddtree.hf.use_tree_attention"):
+        generate(target, drafter, torch.tensor([[1, 2]]), 4, static_cache=True)
+    with pytest.raises(ValueError, match="cuda_graph=True needs the target on a CUDA device"):
+        from ddtree import hf
+        hf.use_tree_attention(target)
+        generate_batch(target, drafter, [[1, 2]], 4, cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph=True needs static_cache"):
+        generate(target, drafter, torch.tensor([[1, 2]]), 4, cuda_graph=True, static_cache=False)
+    with pytest.raises(ValueError, match="support dense targets"):
+        generate(tiny_hybrid(), drafter, torch.tensor([[1, 2]]), 4, static_cache=True)

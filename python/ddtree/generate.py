@@ -91,12 +91,15 @@ def _root_only_tree(token: torch.Tensor) -> ops.DraftTree:
 def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode: str = "tree",
              budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids: Iterable[int] = (), seed: int = 0,
-             streamer: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
+             streamer: Optional[Callable[[List[int]], None]] = None, cuda_graph: bool = False,
+             static_cache: Optional[bool] = None) -> GenerationResult:
     """Generates up to max_new_tokens after input_ids [1, P]. At temperature 0 the tokens equal the
     target's own greedy decoding; at temperature > 0 they are distributed as the target's sampling
     (temperature, top-k, top-p). mode "chain" verifies DFlash's single chain (K = 1), "tree" the
-    optimal tree of `budget` nodes, "autoregressive" runs the target alone. (One request of
-    generate_batch.)"""
+    optimal tree of `budget` nodes, "autoregressive" runs the target alone. cuda_graph=True
+    (CUDA, dense target on ddtree.hf.use_tree_attention) captures the fixed-shape verify step
+    once and replays it every round; static_cache=True runs that same static path without the
+    graph. (One request of generate_batch.)"""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be a non-empty [1, P] prompt, got shape "
                          f"{tuple(input_ids.shape)}")
@@ -107,7 +110,8 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
         raise ValueError(f"generate: budget must be >= 0, got {budget}")
     return generate_batch(target, drafter, [input_ids[0]], max_new_tokens, mode, budget,
                           temperature, top_k, top_p, stop_token_ids, seed,
-                          (lambda _, new: streamer(new)) if streamer else None)[0]
+                          (lambda _, new: streamer(new)) if streamer else None, cuda_graph,
+                          static_cache)[0]
 
 
 def _merge_caches(target, caches, lengths):
@@ -134,11 +138,16 @@ def _merge_caches(target, caches, lengths):
 def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "tree",
                    budget=64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    stop_token_ids: Iterable[int] = (), seed: int = 0,
-                   streamer: Optional[Callable[[int, List[int]], None]] = None
+                   streamer: Optional[Callable[[int, List[int]], None]] = None,
+                   cuda_graph: bool = False, static_cache: Optional[bool] = None
                    ) -> List[GenerationResult]:
     """Batched `generate`: prompts of different lengths (list of token lists / 1-D tensors) and
     per-request budgets (int or list). The requests share one KV cache whose rows past a request's
     valid length are padding (masked by prefix_len; paths committed to each request's length).
+    A finished request stops advancing (its accepted rows are no longer committed).
+    static_cache (default: cuda_graph): the target verifies on transformers' StaticCache with
+    fixed-shape buffers (ddtree.static_verify; dense targets on the tree_attention
+    implementation); cuda_graph: that step is captured once as a CUDA graph and replayed.
     Returns one GenerationResult per request; streamer(request, new_tokens)."""
     if mode not in MODES:
         raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
@@ -151,6 +160,12 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     is_hybrid = _check_target(target)
+    static_cache = cuda_graph if static_cache is None else static_cache
+    if cuda_graph and not static_cache:
+        raise ValueError("generate: cuda_graph=True needs static_cache (fixed-shape verify step)")
+    if static_cache and is_hybrid:
+        raise ValueError("generate: static_cache / cuda_graph support dense targets; hybrid "
+                         "(Gated DeltaNet) targets verify on the dynamic cache")
     speculative = mode != "autoregressive"
     if speculative:
         if drafter is None:
@@ -181,6 +196,15 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     valid_h = valid.tolist()
     cache = _merge_caches(target, caches, valid_h)
     phys = max(valid_h)
+    verifier = None
+    if static_cache:
+        from .static_verify import StaticVerifier
+
+        n_rows = 1 if not speculative else (depth + 1 if mode == "chain" else max(budgets) + 1)
+        verifier = StaticVerifier(target, cache, valid_h, batch, n_rows,
+                                  phys + max_new_tokens + depth + n_rows + 1, speculative,
+                                  cuda_graph)
+        del cache
     bonus = torch.cat(first)
     batched_drafter = speculative and getattr(drafter, "batched", False)
     if not speculative:
@@ -221,19 +245,27 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
         n = tree.node_tokens.shape[1]
         t2 = time.perf_counter()
-        if hf.uses_tree_attention(target):
-            mask = vis.packed[:, None]
-        else:
-            mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, phys,
-                                           target.get_input_embeddings().weight.dtype, valid)
         tree_pass = hybrid.TreePass(tree, depth)
-        with hybrid.tree_verification(target, tree_pass) if is_hybrid else _no_context(), \
-                hf.batch_prefix(valid):
-            out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
-                         attention_mask={"full_attention": mask, "linear_attention": None}
-                         if is_hybrid else mask,
-                         past_key_values=cache, use_cache=True, output_hidden_states=speculative)
-        verdict = sampler.verify(tree, out.logits)
+        if verifier is not None:
+            logits, hidden_states = verifier.run(tree, vis, valid, phys)
+        else:
+            if hf.uses_tree_attention(target):
+                mask = vis.packed[:, None]
+            else:
+                mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, phys,
+                                               target.get_input_embeddings().weight.dtype, valid)
+            with hybrid.tree_verification(target, tree_pass) if is_hybrid else _no_context(), \
+                    hf.batch_prefix(valid):
+                out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
+                             attention_mask={"full_attention": mask, "linear_attention": None}
+                             if is_hybrid else mask,
+                             past_key_values=cache, use_cache=True,
+                             output_hidden_states=speculative)
+            logits, hidden_states = out.logits, out.hidden_states
+        verdict = sampler.verify(tree, logits)
+        # Finished requests stop advancing: nothing of theirs is committed any more.
+        alive = torch.tensor([not finished(b) for b in range(batch)], device=device)
+        verdict = verdict._replace(accept_len=verdict.accept_len * alive)
         t3 = time.perf_counter()
         # The round's one host read: everything the host needs from the verdict.
         accepted, accept_len, bonus_h, node_tokens = (
@@ -242,17 +274,18 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
         start = torch.full((batch,), phys, dtype=torch.long, device=device)
         new_valid = valid + verdict.accept_len
         new_phys = max(v + a for v, a in zip(valid_h, accept_len))
-        for layer in cache.layers:
+        layers = verifier.attention_layers if verifier is not None else cache.layers
+        for layer in layers:
             if getattr(layer, "keys", None) is None:
                 continue
             ops.commit_kv_(layer.keys, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
             ops.commit_kv_(layer.values, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
-            if phys + n > new_phys:
+            if verifier is None and phys + n > new_phys:
                 layer.crop(-(phys + n - new_phys))
         if is_hybrid:
             hybrid.commit(cache, tree_pass, verdict)
         if speculative:
-            all_features = drafter.target_features(out.hidden_states)
+            all_features = drafter.target_features(hidden_states)
         for b in range(batch):
             path = accepted[b][: accept_len[b]]
             if speculative:

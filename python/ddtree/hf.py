@@ -19,6 +19,9 @@ NAME = "ddtree"
 # Per-request valid prefix lengths of a batched verify pass (rows between a request's length and
 # the shared tree start are padding); set by the batched loop around the target's forward.
 _PREFIX_LEN: contextvars.ContextVar = contextvars.ContextVar("ddtree_prefix_len", default=None)
+# Row where the tree block starts in the keys ([B] int64), for caches whose key tensors are longer
+# than prefix + tree (transformers' StaticCache); None: the tree rows are the last N keys.
+_TREE_START: contextvars.ContextVar = contextvars.ContextVar("ddtree_tree_start", default=None)
 
 
 @contextlib.contextmanager
@@ -28,6 +31,15 @@ def batch_prefix(prefix_len):
         yield
     finally:
         _PREFIX_LEN.reset(token)
+
+
+@contextlib.contextmanager
+def tree_start(start):
+    token = _TREE_START.set(start)
+    try:
+        yield
+    finally:
+        _TREE_START.reset(token)
 
 
 def is_tree_mask(mask) -> bool:
@@ -45,12 +57,18 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
                                       scaling=scaling, **kwargs)
     packed = attention_mask[:, 0]
     batch, n = packed.shape[0], packed.shape[1]
-    past = torch.full((batch,), key.shape[2] - n, dtype=torch.long, device=key.device)
+    start = _TREE_START.get()
+    past = start if start is not None else torch.full((batch,), key.shape[2] - n, dtype=torch.long,
+                                                      device=key.device)
     kernel_ok = query.device.type == "cpu" or (
         query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] in (64, 128, 256))
     prefix = _PREFIX_LEN.get()
     if kernel_ok:
         return tree_attention(query.transpose(1, 2), key, value, past, packed, scaling, prefix), None
+    if start is not None:
+        raise ValueError("ddtree: verification on a static cache needs the tree_attention kernel "
+                         f"(CUDA: bfloat16 / float16, head_dim 64, 128 or 256); got {query.dtype}, "
+                         f"head_dim {query.shape[-1]}")
     # No kernel for this dtype / head size on this device: dense mask from the packed bits.
     bits = (packed[..., None] >> torch.arange(32, device=packed.device, dtype=torch.int32)) & 1
     tree = bits.flatten(-2)[..., :n].bool()                        # [B, N, N]

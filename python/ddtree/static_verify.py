@@ -1,0 +1,102 @@
+"""The verify step on fixed shapes: transformers' StaticCache for the target, static input
+buffers, and on CUDA a captured CUDA graph replayed every round (generate(..., cuda_graph=True)).
+
+Shapes are fixed for a whole generation: batch B, tree rows N (budget + 1), cache rows
+max_cache_len. Per round only buffer contents change: tree tokens, positions, packed visibility
+rows, each request's valid prefix length, and where the tree block starts (the static layers'
+write offset `cumulative_length` and the tree_attention op's past_len, both device tensors). The
+forward runs the "ddtree" attention implementation (tree_attention op; no mask whose shape
+depends on the prefix length). Without cuda_graph (or on CPU) the same static path runs eagerly,
+which is how the CPU tests check it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import hf, ops
+
+
+class StaticVerifier:
+    """Owns the static cache and buffers of one generation and runs the target over a tree."""
+
+    def __init__(self, target, merged_cache, lengths, batch: int, n: int, max_cache_len: int,
+                 want_hidden: bool, cuda_graph: bool):
+        from transformers import StaticCache
+
+        if not hf.uses_tree_attention(target):
+            raise ValueError("generate: static_cache / cuda_graph verification needs the target on "
+                             "the tree_attention implementation: call ddtree.hf.use_tree_attention"
+                             "(target) first")
+        device = target.get_input_embeddings().weight.device
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, got {device}")
+        self.target, self.n, self.want_hidden = target, n, want_hidden
+        self.cache = StaticCache(config=target.config, max_cache_len=max_cache_len)
+        self.max_cache_len = max_cache_len
+        for static, dynamic in zip(self.cache.layers, merged_cache.layers):
+            keys, values = dynamic.keys, dynamic.values
+            static.lazy_initialization(keys, values)
+            static.keys[:, :, : keys.shape[2]] = keys
+            static.values[:, :, : values.shape[2]] = values
+        words = (n + 31) // 32
+        self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
+        self.packed = torch.zeros(batch, n, words, dtype=torch.int32, device=device)
+        self.prefix = torch.zeros(batch, dtype=torch.long, device=device)
+        self.start = torch.zeros(batch, dtype=torch.long, device=device)
+        self.use_graph = cuda_graph
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.outputs = None
+
+    @property
+    def attention_layers(self):
+        return self.cache.layers
+
+    def _forward(self):
+        with hf.batch_prefix(self.prefix), hf.tree_start(self.start):
+            out = self.target(input_ids=self.tokens, position_ids=self.positions,
+                              attention_mask=self.packed[:, None], past_key_values=self.cache,
+                              use_cache=True, output_hidden_states=self.want_hidden)
+        return out.logits, (tuple(out.hidden_states) if self.want_hidden else None)
+
+    def _set_start(self, phys: int) -> None:
+        self.start.fill_(phys)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(phys)
+
+    def _capture(self, phys: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits, cuBLAS handles, allocator pools
+                self._set_start(phys)
+                self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        self._set_start(phys)
+        with torch.cuda.graph(self.graph):
+            self.outputs = self._forward()
+
+    def run(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor, phys: int):
+        """Verifies `tree` (rows [phys, phys + N) of the cache); returns (logits [B, N, V],
+        hidden states or None). The outputs of a replayed graph are overwritten next round."""
+        if tree.node_tokens.shape[1] != self.n:
+            raise ValueError(f"static verify: the tree has {tree.node_tokens.shape[1]} rows, the "
+                             f"captured step {self.n}")
+        if phys + self.n > self.max_cache_len:
+            raise ValueError(f"static verify: rows up to {phys + self.n} exceed the static cache's "
+                             f"{self.max_cache_len}")
+        self.tokens.copy_(tree.node_tokens)
+        self.positions.copy_(vis.positions)
+        self.packed.copy_(vis.packed)
+        self.prefix.copy_(valid)
+        if not self.use_graph:
+            self._set_start(phys)
+            return self._forward()
+        if self.graph is None:
+            self._capture(phys)
+        self._set_start(phys)
+        self.graph.replay()
+        return self.outputs
