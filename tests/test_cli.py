@@ -36,6 +36,18 @@ def test_generate_streams_text_and_summary(model_dirs, capsys):
     assert out.split("\n")[0].strip().startswith("w")
 
 
+def test_generate_with_tree_attention_and_cuda_graph_flags(model_dirs, capsys):
+    args = ["generate", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
+            "--prompt", "w5 w17 w42", "--max-new-tokens", "8", "--budget", "8"]
+    assert cli.main(args) == 0
+    plain = capsys.readouterr().out.split("\n")[0]
+    assert cli.main(args + ["--tree-attention"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == plain
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graph=True needs the target on a CUDA device"):
+            cli.main(args + ["--cuda-graph"])
+
+
 def test_bench_compares_modes_and_plots(model_dirs, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2 w3\nw9 w8\n")

@@ -30,6 +30,10 @@ def _load(args):
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafter = DFlashDrafter.from_pretrained(args.draft, dtype=dtype).to(device) if args.draft else None
+    if args.tree_attention or args.cuda_graph:
+        from . import hf
+
+        hf.use_tree_attention(target)
     return target, tokenizer, drafter, device
 
 
@@ -59,7 +63,8 @@ def cmd_generate(args) -> int:
 
     result = generate(target, drafter, ids, args.max_new_tokens, mode=args.mode, budget=args.budget,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      stop_token_ids=_stop_ids(tokenizer), seed=args.seed, streamer=stream)
+                      stop_token_ids=_stop_ids(tokenizer), seed=args.seed, streamer=stream,
+                      cuda_graph=args.cuda_graph)
     print(f"\n[ddtree] mode={args.mode} tokens={len(result.tokens)} tau={result.tau:.2f} "
           f"tokens/s={result.tokens_per_second:.1f}")
     return 0
@@ -86,7 +91,7 @@ def cmd_bench(args) -> int:
         for i, prompt in enumerate(tqdm(prompts, desc=mode, file=sys.stderr)):
             ids = _encode(tokenizer, prompt, device)
             r = generate(target, drafter, ids, args.max_new_tokens, mode=mode, budget=args.budget,
-                         stop_token_ids=_stop_ids(tokenizer))
+                         stop_token_ids=_stop_ids(tokenizer), cuda_graph=args.cuda_graph)
             if mode == "autoregressive":
                 reference[i] = r.tokens
             elif r.tokens != reference[i]:
@@ -132,6 +137,10 @@ def main(argv=None) -> int:
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
         p.add_argument("--device", default=None)
+        p.add_argument("--tree-attention", action="store_true",
+                       help="verify with the tree_attention op (transformers attention 'ddtree')")
+        p.add_argument("--cuda-graph", action="store_true",
+                       help="capture the verify step as a CUDA graph (CUDA; implies --tree-attention)")
         if name == "generate":
             p.add_argument("--prompt", required=True)
             p.add_argument("--mode", choices=("tree", "chain", "autoregressive"), default="tree")
