@@ -8,6 +8,10 @@ OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export DDTREE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
+# Build for this GPU only (minutes saved): its compute capability, e.g. 9.0 on an H100 / H200.
+CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' ')
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CAP}
+export CMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES:-${CAP/./}}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
@@ -18,7 +22,7 @@ fi
 PYTHONPATH=python timeout 300 "$PY" -m pytest tests -q -rs > "$OUT/pytest.txt" 2>&1 || status=1
 tail -20 "$OUT/pytest.txt"
 if cmake -S . -B build/cmake-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
-     -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" > "$OUT/cmake.log" 2>&1 &&
+     -DCMAKE_CUDA_ARCHITECTURES="$CMAKE_CUDA_ARCHITECTURES" > "$OUT/cmake.log" 2>&1 &&
    cmake --build build/cmake-gpu -j "$MAX_JOBS" >> "$OUT/cmake.log" 2>&1; then
   build/cmake-gpu/bench_tree_visibility_cuda | tee "$OUT/bench_cuda.txt" || status=1
   build/cmake-gpu/bench_tree_ops_cuda | tee -a "$OUT/bench_cuda.txt" || status=1
@@ -29,5 +33,7 @@ else
 fi
 PYTHONPATH=python timeout 180 "$PY" bench/bench_attention_gpu.py --json "$OUT/attention_gpu.json" \
   | tee "$OUT/attention_gpu.txt" || status=1
+PYTHONPATH=python timeout 150 "$PY" bench/bench_loop_gpu.py --json "$OUT/loop_gpu.json" \
+  | tee "$OUT/loop_gpu.txt" || status=1
 echo "gpu_check: exit $status"
 exit $status
