@@ -56,7 +56,13 @@ __device__ __forceinline__ void rows_init(WarpRows<kD>& w) {
   w.l[0] = w.l[1] = 0.f;
 }
 
-// One chunk of 16 keys already in shared memory (sk, sv: [16][kD] b16): S = Q K^T, the caller's
+// Shared-memory row stride of Q / K / V tiles (b16 elements): 16 bytes of padding per row put the
+// 8 rows of an ldmatrix 8x8 load in different banks (a stride that is a multiple of 128 bytes
+// would make every ldmatrix an 8-way bank conflict); rows stay 16-byte aligned for cp.async.
+template <int kD>
+inline constexpr int kSmemStride = kD + 8;
+
+// One chunk of 16 keys already in shared memory (sk, sv: [16][kSmemStride] b16): S = Q K^T, the caller's
 // visibility (row, key) -> bool, online softmax, O += P V.
 template <int kD, bool kBf16, class Visible>
 __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t* sk,
@@ -68,11 +74,12 @@ __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t*
   for (int kk = 0; kk < kD / 16; ++kk) {
     uint32_t a[4];
     const int mat = lane >> 3, r = lane & 7;
-    ldmatrix<4, false>(a, sq + (r + 8 * (mat & 1)) * kD + kk * 16 + 8 * (mat >> 1));
+    ldmatrix<4, false>(a, sq + (r + 8 * (mat & 1)) * kSmemStride<kD> + kk * 16 + 8 * (mat >> 1));
     DDTREE_UNROLL
     for (int nt = 0; nt < 2; ++nt) {
       uint32_t bf[2];
-      ldmatrix<2, false>(bf, sk + (nt * 8 + (lane & 7)) * kD + kk * 16 + ((lane >> 3) & 1) * 8);
+      ldmatrix<2, false>(bf, sk + (nt * 8 + (lane & 7)) * kSmemStride<kD> + kk * 16 +
+                             ((lane >> 3) & 1) * 8);
       mma_m16n8k16<kBf16>(s[nt], a, bf, s[nt]);
     }
   }
@@ -112,7 +119,7 @@ __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t*
   DDTREE_UNROLL
   for (int dt = 0; dt < kD / 8; ++dt) {
     uint32_t bf[2];
-    ldmatrix<2, true>(bf, sv + (lane & 15) * kD + dt * 8);
+    ldmatrix<2, true>(bf, sv + (lane & 15) * kSmemStride<kD> + dt * 8);
     mma_m16n8k16<kBf16>(w.o[dt], pa, bf, w.o[dt]);
   }
 }
@@ -162,8 +169,8 @@ __device__ __forceinline__ void rows_store_partial(const WarpRows<kD>& w, const 
 template <int kD>
 struct AttnTile {
   static constexpr int kChunk = kD == 256 ? 16 : 32;  // keys per pipeline stage
-  static constexpr int kQ = kAttnWarps * kAttnWarpRows * kD;
-  static constexpr int kKv = kChunk * kD;
+  static constexpr int kQ = kAttnWarps * kAttnWarpRows * kSmemStride<kD>;
+  static constexpr int kKv = kChunk * kSmemStride<kD>;
   static constexpr size_t kBytes = (kQ + 4 * kKv) * sizeof(uint16_t) + kAttnWarps * kD * sizeof(float);
   uint16_t* q;
   uint16_t* k[2];
@@ -244,7 +251,8 @@ __device__ __forceinline__ void attend_stage(const AttnTile<kD>& tile, const uin
                                              WarpRows<kD>& w) {
   DDTREE_UNROLL
   for (int sub = 0; sub < AttnTile<kD>::kChunk; sub += 16)
-    attend_chunk<kD, kBf16>(sq, tile.k[buf] + sub * kD, tile.v[buf] + sub * kD, scale,
+    attend_chunk<kD, kBf16>(sq, tile.k[buf] + sub * kSmemStride<kD>,
+                            tile.v[buf] + sub * kSmemStride<kD>, scale,
                             [&](int r, int c) { return visible(r, key0 + sub + c); }, w);
 }
 
@@ -262,11 +270,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const T
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k = static_cast<const uint16_t*>(p.k);
   const uint16_t* v = static_cast<const uint16_t*>(p.v);
-  uint16_t* sq = tile.q + warp * kAttnWarpRows * kD;
+  uint16_t* sq = tile.q + warp * kAttnWarpRows * kSmemStride<kD>;
   if (item.active) {
     for (int e = lane; e < kAttnWarpRows * kD; e += 32) {
       const int64_t r = item.row0 + e / kD;
-      sq[e] = r < p.n ? q[b * p.q_stride_b + r * p.q_stride_n + item.h * p.q_stride_h + e % kD] : 0;
+      sq[e / kD * kSmemStride<kD> + e % kD] =
+          r < p.n ? q[b * p.q_stride_b + r * p.q_stride_n + item.h * p.q_stride_h + e % kD] : 0;
     }
   }
   const int64_t kv_base = b * p.kv_stride_b + kh * p.kv_stride_h;
@@ -277,8 +286,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const T
   pipeline_keys(range, kChunk, [&](int64_t key0, int buf) {
     for (int e = threadIdx.x; e < kChunk * kD / 8; e += kAttnWarps * 32) {
       const int64_t key = key0 + e / (kD / 8), col = e % (kD / 8) * 8;
-      uint16_t* dk = tile.k[buf] + e * 8;
-      uint16_t* dv = tile.v[buf] + e * 8;
+      uint16_t* dk = tile.k[buf] + e / (kD / 8) * kSmemStride<kD> + col;
+      uint16_t* dv = tile.v[buf] + e / (kD / 8) * kSmemStride<kD> + col;
       if (key < range.end) {
         const int64_t at = kv_base + key * p.kv_stride_s + col;
         copy8(dk, k + at, async);
@@ -397,7 +406,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
   const uint16_t* v_new = static_cast<const uint16_t*>(p.v_new);
   uint16_t* k_cache = static_cast<uint16_t*>(p.k_cache);
   uint16_t* v_cache = static_cast<uint16_t*>(p.v_cache);
-  uint16_t* sq = tile.q + warp * kAttnWarpRows * kD;
+  uint16_t* sq = tile.q + warp * kAttnWarpRows * kSmemStride<kD>;
   float* buf_row = tile.buf + warp * kD;
   if (item.active) {
     for (int r = 0; r < kAttnWarpRows; ++r) {
@@ -405,9 +414,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
       if (i < p.lq) {
         const int64_t rope = (b * p.t + p.context + i) * kD;
         norm_rope_row_warp<kD, kBf16>(q + ((b * p.lq + i) * p.hq + item.h) * kD, p.q_norm, p.eps,
-                                      p.cos + rope, p.sin + rope, buf_row, sq + r * kD);
+                                      p.cos + rope, p.sin + rope, buf_row, sq + r * kSmemStride<kD>);
       } else {
-        for (int j = lane; j < kD; j += 32) sq[r * kD + j] = 0;
+        for (int j = lane; j < kD; j += 32) sq[r * kSmemStride<kD> + j] = 0;
       }
     }
   }
@@ -418,8 +427,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
   pipeline_keys(range, kChunk, [&](int64_t key0, int buf) {
     for (int e = threadIdx.x; e < kChunk * kD / 8; e += kAttnWarps * 32) {
       const int64_t key = key0 + e / (kD / 8), col = e % (kD / 8) * 8;
-      uint16_t* dk = tile.k[buf] + e * 8;
-      uint16_t* dv = tile.v[buf] + e * 8;
+      uint16_t* dk = tile.k[buf] + e / (kD / 8) * kSmemStride<kD> + col;
+      uint16_t* dv = tile.v[buf] + e / (kD / 8) * kSmemStride<kD> + col;
       if (key < cached && key < range.end) {
         const int64_t row = draft_cache_row(p, b, kh, key) + col;
         copy8(dk, k_cache + row, async);
@@ -434,8 +443,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
       const int64_t key = key0 + c;
       if (key < cached || key >= range.end) continue;
       const int64_t t = draft_new_row(p, cached, ctx_len, key), src = ((b * p.t + t) * p.hkv + kh) * kD;
-      uint16_t* dk = tile.k[buf] + c * kD;
-      uint16_t* dv = tile.v[buf] + c * kD;
+      uint16_t* dk = tile.k[buf] + c * kSmemStride<kD>;
+      uint16_t* dv = tile.v[buf] + c * kSmemStride<kD>;
       norm_rope_row_warp<kD, kBf16>(k_new + src, p.k_norm, p.eps, p.cos + (b * p.t + t) * kD,
                                     p.sin + (b * p.t + t) * kD, buf_row, dk);
       for (int j = lane; j < kD; j += 32) dv[j] = v_new[src + j];
