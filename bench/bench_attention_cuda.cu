@@ -60,6 +60,31 @@ void free_splits(AttentionSplits& s) {
   cudaFree(s.part_lse);
 }
 
+// Checks the kernel with one split and with `autos` against `want` (CPU output; empty: no check),
+// times both, prints one table row. Returns nonzero on a mismatch or a launch failure.
+template <class Params, class Launch>
+int check_time_print(const char* name, Params g, const AttentionSplits& autos, const uint16_t* d_out,
+                     const std::vector<uint16_t>& want, int64_t batch, int64_t context,
+                     double flops, double bytes, Launch launch) {
+  const AttentionSplits one;
+  for (const AttentionSplits& s : {one, autos}) {
+    if (want.empty()) break;
+    g.split = s;
+    if (launch(g) != 0) return fail(name);
+    if (rel_diff(download(d_out, want.size()), want) > 2e-2) return fail(name);
+  }
+  g.split = one;
+  const double t1 = time_us([&] { launch(g); }, 20);
+  g.split = autos;
+  const double ta = time_us([&] { launch(g); }, 20);
+  const double best = std::min(t1, ta);
+  std::printf("%3lld %6lld %6s | %9.1f %9.1f %9lld | %7.2f %8.1f %8.0f\n",
+              static_cast<long long>(batch), static_cast<long long>(context),
+              want.empty() ? "-" : "ok", t1, ta, static_cast<long long>(autos.splits), t1 / ta,
+              flops / best / 1e6, bytes / best / 1e3);
+  return 0;
+}
+
 int bench_tree_attention() {
   std::printf("\n== tree_attention (bf16, Hq 32, Hkv 8, D 128, N = budget + 1 = 65) ==\n"
               "%3s %6s %6s | %9s %9s %9s | %7s %8s %8s\n", "B", "past", "check", "us split1",
@@ -112,28 +137,17 @@ int bench_tree_attention() {
       uint16_t* d_out = nullptr;
       cudaMalloc(&d_out, q.size() * 2);
       g.out = d_out;
-      AttentionSplits one, autos = device_splits(0, batch, n, hq, hkv, d, s_max);
-      const char* check = "-";
-      if (past <= 4096) {
-        std::vector<uint16_t> want(q.size());
+      AttentionSplits autos = device_splits(0, batch, n, hq, hkv, d, s_max);
+      const bool checked = past <= 4096;
+      std::vector<uint16_t> want(checked ? q.size() : 0);
+      if (checked) {
         h.out = want.data();
         cpu::tree_attention_rows(h, 0, batch * hkv);
-        for (const AttentionSplits& s : {one, autos}) {
-          g.split = s;
-          if (gpu::launch_tree_attention(g, nullptr) != 0) return fail("tree_attention launch");
-          if (rel_diff(download(d_out, q.size()), want) > 2e-2) return fail("tree_attention");
-        }
-        check = "ok";
       }
-      g.split = one;
-      const double t1 = time_us([&] { gpu::launch_tree_attention(g, nullptr); }, 20);
-      g.split = autos;
-      const double ta = time_us([&] { gpu::launch_tree_attention(g, nullptr); }, 20);
-      const double keys = static_cast<double>(past + n), best = std::min(t1, ta);
-      const double flops = 4.0 * batch * hq * n * keys * d, bytes = 4.0 * batch * hkv * keys * d;
-      std::printf("%3lld %6lld %6s | %9.1f %9.1f %9lld | %7.2f %8.1f %8.0f\n",
-                  static_cast<long long>(batch), static_cast<long long>(past), check, t1, ta,
-                  static_cast<long long>(autos.splits), t1 / ta, flops / best / 1e6, bytes / best / 1e3);
+      if (check_time_print("tree_attention", g, autos, d_out, want, batch, past,
+                           4.0 * batch * hq * n * (past + n) * d, 4.0 * batch * hkv * (past + n) * d,
+                           [](const TreeAttentionParams& x) { return gpu::launch_tree_attention(x, nullptr); }))
+        return 1;
       free_splits(autos);
       for (const void* ptr : {g.q, g.k, g.v, static_cast<const void*>(g.past_len),
                               static_cast<const void*>(g.packed)})
@@ -202,28 +216,17 @@ int bench_draft_attention() {
       uint16_t* d_out = nullptr;
       cudaMalloc(&d_out, q.size() * 2);
       g.out = d_out;
-      AttentionSplits one, autos = device_splits(0, batch, lq, hq, hkv, d, s_max + t);
-      const char* check = "-";
-      if (cached <= 4096) {
-        std::vector<uint16_t> want(q.size());
+      AttentionSplits autos = device_splits(0, batch, lq, hq, hkv, d, s_max + t);
+      const bool checked = cached <= 4096;
+      std::vector<uint16_t> want(checked ? q.size() : 0);
+      if (checked) {
         h.out = want.data();
         cpu::draft_attention_requests(h, 0, batch);
-        for (const AttentionSplits& s : {one, autos}) {
-          g.split = s;
-          if (gpu::launch_draft_attention(g, nullptr) != 0) return fail("draft_attention launch");
-          if (rel_diff(download(d_out, q.size()), want) > 2e-2) return fail("draft_attention");
-        }
-        check = "ok";
       }
-      g.split = one;
-      const double t1 = time_us([&] { gpu::launch_draft_attention(g, nullptr); }, 20);
-      g.split = autos;
-      const double ta = time_us([&] { gpu::launch_draft_attention(g, nullptr); }, 20);
-      const double keys = static_cast<double>(cached + t), best = std::min(t1, ta);
-      const double flops = 4.0 * batch * hq * lq * keys * d, bytes = 4.0 * batch * hkv * keys * d;
-      std::printf("%3lld %6lld %6s | %9.1f %9.1f %9lld | %7.2f %8.1f %8.0f\n",
-                  static_cast<long long>(batch), static_cast<long long>(cached), check, t1, ta,
-                  static_cast<long long>(autos.splits), t1 / ta, flops / best / 1e6, bytes / best / 1e3);
+      if (check_time_print("draft_attention", g, autos, d_out, want, batch, cached,
+                           4.0 * batch * hq * lq * (cached + t) * d, 4.0 * batch * hkv * (cached + t) * d,
+                           [](const DraftAttentionParams& x) { return gpu::launch_draft_attention(x, nullptr); }))
+        return 1;
       free_splits(autos);
       for (const void* ptr : {g.q, g.k_new, g.v_new, static_cast<const void*>(g.k_cache),
                               static_cast<const void*>(g.v_cache), static_cast<const void*>(g.cache_len),

@@ -256,6 +256,24 @@ __device__ __forceinline__ void attend_stage(const AttnTile<kD>& tile, const uin
                             [&](int r, int c) { return visible(r, key0 + sub + c); }, w);
 }
 
+// The warp's finished rows: out [B, rows, Hq, D] b16 directly, or the split partial.
+template <int kD, bool kBf16>
+__device__ __forceinline__ void store_warp_rows(const WarpRows<kD>& w, const WarpItem& item,
+                                                const AttentionSplits& sp, void* out, int64_t batch,
+                                                int64_t b, int64_t split, int64_t rows, int64_t hq) {
+  if (sp.splits > 1) {
+    rows_store_partial<kD>(w, sp, [&](int r) -> int64_t {
+      const int64_t i = item.row0 + r;
+      return i < rows ? ((split * batch + b) * hq + item.h) * rows + i : -1;
+    });
+    return;
+  }
+  rows_store<kD, kBf16>(w, [&](int r) -> uint16_t* {
+    const int64_t i = item.row0 + r;
+    return i < rows ? static_cast<uint16_t*>(out) + ((b * rows + i) * hq + item.h) * kD : nullptr;
+  });
+}
+
 // grid (ceil(rep * ceil(N / 16) / kAttnWarps), Hkv, B * splits), block kAttnWarps warps.
 template <int kD, bool kBf16>
 __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const TreeAttentionParams p) {
@@ -305,19 +323,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const T
       return key < range.end && i < p.n && tree_key_visible(p, b, i, past, key);
     }, w);
   });
-  if (!item.active) return;
-  if (p.split.splits > 1) {
-    rows_store_partial<kD>(w, p.split, [&](int r) -> int64_t {
-      const int64_t i = item.row0 + r;
-      return i < p.n ? ((split * p.batch + b) * p.hq + item.h) * p.n + i : -1;
-    });
-    return;
-  }
-  uint16_t* out = static_cast<uint16_t*>(p.out);
-  rows_store<kD, kBf16>(w, [&](int r) -> uint16_t* {
-    const int64_t i = item.row0 + r;
-    return i < p.n ? out + ((b * p.n + i) * p.hq + item.h) * p.d : nullptr;
-  });
+  if (item.active) store_warp_rows<kD, kBf16>(w, item, p.split, p.out, p.batch, b, split, p.n, p.hq);
 }
 
 // Merges the split partials of one output row: grid (rows, Hq, B), block one warp.
@@ -461,19 +467,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
     attend_stage<kD, kBf16>(tile, sq, buf, key0, p.scale,
                             [&](int, int64_t key) { return key < range.end; }, w);
   });
-  if (!item.active) return;
-  if (p.split.splits > 1) {
-    rows_store_partial<kD>(w, p.split, [&](int r) -> int64_t {
-      const int64_t i = item.row0 + r;
-      return i < p.lq ? ((split * p.batch + b) * p.hq + item.h) * p.lq + i : -1;
-    });
-    return;
-  }
-  uint16_t* out = static_cast<uint16_t*>(p.out);
-  rows_store<kD, kBf16>(w, [&](int r) -> uint16_t* {
-    const int64_t i = item.row0 + r;
-    return i < p.lq ? out + ((b * p.lq + i) * p.hq + item.h) * kD : nullptr;
-  });
+  if (item.active) store_warp_rows<kD, kBf16>(w, item, p.split, p.out, p.batch, b, split, p.lq, p.hq);
 }
 
 dim3 attention_grid(int64_t rows, int64_t hq, int64_t hkv, int64_t batch, int64_t splits) {
