@@ -25,21 +25,22 @@ _TREE_START: contextvars.ContextVar = contextvars.ContextVar("ddtree_tree_start"
 
 
 @contextlib.contextmanager
+def _bound(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def batch_prefix(prefix_len):
-    token = _PREFIX_LEN.set(prefix_len)
-    try:
-        yield
-    finally:
-        _PREFIX_LEN.reset(token)
+    """Per-request valid prefix lengths [B] for the verify passes inside the `with`."""
+    return _bound(_PREFIX_LEN, prefix_len)
 
 
-@contextlib.contextmanager
 def tree_start(start):
-    token = _TREE_START.set(start)
-    try:
-        yield
-    finally:
-        _TREE_START.reset(token)
+    """Row where the tree block starts in the keys, [B], for the verify passes inside the `with`."""
+    return _bound(_TREE_START, start)
 
 
 def is_tree_mask(mask) -> bool:
