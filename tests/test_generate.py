@@ -244,8 +244,10 @@ def test_sampling_is_distributed_as_target_sampling():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_lossless_with_the_tree_attention_implementation(kind, monkeypatch):
-    """The "ddtree" attention (tree_attention on packed rows, no dense mask) in the loop."""
+@pytest.mark.parametrize("static", [None, False], ids=["static-cache-auto", "dynamic-cache"])
+def test_lossless_with_the_tree_attention_implementation(kind, static, monkeypatch):
+    """The "ddtree" attention (tree_attention on packed rows, no dense mask) in the loop, on the
+    static cache it selects by default and on transformers' DynamicCache."""
     from ddtree import hf
 
     calls = []
@@ -257,9 +259,10 @@ def test_lossless_with_the_tree_attention_implementation(kind, monkeypatch):
     for p, prompt in enumerate(PROMPTS):
         ids = torch.tensor([prompt])
         truth = greedy_reference(target, ids, 40)
-        got = generate(target, OracleDrafter(truth, len(prompt), seed=p), ids, 40, budget=16)
+        got = generate(target, OracleDrafter(truth, len(prompt), seed=p), ids, 40, budget=16,
+                       static_cache=static)
         assert got.tokens == truth and got.tau > 2
-        got = generate(target, tiny_drafter(), ids, 20, budget=16)
+        got = generate(target, tiny_drafter(), ids, 20, budget=16, static_cache=static)
         assert got.tokens == truth[:20]
     assert len(calls) >= LAYERS  # verification went through the tree_attention op
 

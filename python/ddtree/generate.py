@@ -60,6 +60,17 @@ def _check_target(target) -> bool:
     return False
 
 
+def _static_path_available(target) -> bool:
+    """The static verify path needs the tree_attention op for the target's attention layers."""
+    if not hf.uses_tree_attention(target):
+        return False
+    weight = target.get_input_embeddings().weight
+    cfg = target.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return weight.device.type == "cpu" or (weight.dtype in (torch.bfloat16, torch.float16)
+                                           and head_dim in (64, 128, 256))
+
+
 class _Sampler:
     """Greedy or lossless sampling over a tree's target logits (verify_greedy / verify_sample)."""
 
@@ -145,9 +156,10 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     per-request budgets (int or list). The requests share one KV cache whose rows past a request's
     valid length are padding (masked by prefix_len; paths committed to each request's length).
     A finished request stops advancing (its accepted rows are no longer committed).
-    static_cache (default: cuda_graph): the target verifies on transformers' StaticCache with
-    fixed-shape buffers (ddtree.static_verify; dense targets on the tree_attention
-    implementation); cuda_graph: that step is captured once as a CUDA graph and replayed.
+    static_cache: the target verifies on transformers' StaticCache with fixed-shape buffers
+    (ddtree.static_verify: no cache concatenation or crop per round); default on for dense targets
+    on the tree_attention implementation whose attention the kernel covers, and for cuda_graph;
+    cuda_graph: that step is captured once as a CUDA graph and replayed.
     Returns one GenerationResult per request; streamer(request, new_tokens)."""
     if mode not in MODES:
         raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
@@ -160,7 +172,8 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     is_hybrid = _check_target(target)
-    static_cache = cuda_graph if static_cache is None else static_cache
+    if static_cache is None:
+        static_cache = cuda_graph or (not is_hybrid and _static_path_available(target))
     if cuda_graph and not static_cache:
         raise ValueError("generate: cuda_graph=True needs static_cache (fixed-shape verify step)")
     if static_cache and is_hybrid:
