@@ -8,7 +8,13 @@ namespace DDTREE_KERNEL_NS {
 namespace {
 
 constexpr int kConvThreads = 128;
-constexpr int kColumns = 64;  // state columns (d_v) per block, one per thread
+// Gated DeltaNet kernels: a state column S[:, d_v] (Dk floats) is held by a quad of 4 lanes in
+// registers, lane q owning rows d = q + 4 j (so a quad reads 4 consecutive floats of the shared
+// k / q vectors); dot products are quad shuffles. A block holds kGdnColumns columns.
+constexpr int kGdnLanes = 4;
+constexpr int kGdnThreads = 128;
+constexpr int kGdnColumns = kGdnThreads / kGdnLanes;
+constexpr int kGdnWarps = kGdnThreads / 32;
 
 // grid (N, B): one block per tree row; threads over channels.
 __global__ void tree_conv_kernel(const TreeConvParams p) {
@@ -19,87 +25,176 @@ __global__ void tree_conv_kernel(const TreeConvParams p) {
     store_elem(p.y, p.dtype, (b * p.n + i) * p.channels + c, tree_conv_value(p, b, c, anc, have));
 }
 
-struct GdnSmem {
+struct GdnSchedule {
   int32_t *first_child, *next_sibling, *depth, *order, *slot;
   uint8_t* flags;
-  float *qn, *kn;
 };
 
-__device__ GdnSmem gdn_smem(unsigned char* smem, int64_t n, int64_t dk) {
-  GdnSmem s;
+__device__ GdnSchedule gdn_schedule_smem(unsigned char* smem, int64_t n) {
+  GdnSchedule s;
   s.first_child = reinterpret_cast<int32_t*>(smem);
   s.next_sibling = s.first_child + n;
   s.depth = s.next_sibling + n;
   s.order = s.depth + n;
   s.slot = s.order + n;
   s.flags = reinterpret_cast<uint8_t*>(s.slot + n);
-  s.qn = reinterpret_cast<float*>(smem + gdn_schedule_bytes(n));
-  s.kn = s.qn + dk;
   return s;
 }
 
-// grid (Hv, B, column tiles); thread = state column d_v (Dk <= kDk floats), held in registers
-// through the visit.
+__device__ __forceinline__ float gdn_quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float gdn_block_sum(float v, float* red) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < kGdnWarps; ++w) total += red[w];
+  return total;
+}
+
+// The block loads k (and q) of (b, i, v-head h) into shared memory, l2-normalised as in
+// gdn_load_qk (q also divided by sqrt(Dk)); rows [Dk, kDk) are zero. Ends with a barrier.
 template <int kDk>
-__global__ void __launch_bounds__(kColumns) tree_gdn_kernel(const TreeGdnParams p) {
+__device__ void gdn_load_qk_block(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h,
+                                  float* qn, float* kn, float* red) {
+  const int64_t kh = h / (p.hv / p.hk);
+  const int64_t base = ((b * p.n + i) * p.hk + kh) * p.dk;
+  float sk = 0.f, sq = 0.f;
+  for (int d = threadIdx.x; d < kDk; d += kGdnThreads) {
+    const float kv = d < p.dk ? load_elem(p.k, p.dtype, base + d) : 0.f;
+    kn[d] = kv;
+    sk += kv * kv;
+    if (qn) {
+      const float qv = d < p.dk ? load_elem(p.q, p.dtype, base + d) : 0.f;
+      qn[d] = qv;
+      sq += qv * qv;
+    }
+  }
+  const float rk = 1.f / sqrtf(gdn_block_sum(sk, red) + 1e-6f);
+  __syncthreads();
+  const float rq = qn ? 1.f / sqrtf(gdn_block_sum(sq, red + kGdnWarps) + 1e-6f) /
+                            sqrtf(static_cast<float>(p.dk))
+                      : 0.f;
+  for (int d = threadIdx.x; d < kDk; d += kGdnThreads) {
+    kn[d] *= rk;
+    if (qn) qn[d] *= rq;
+  }
+  __syncthreads();
+}
+
+// One step of the quad's column (gdn_column_step, split over 4 lanes); returns S[:, d_v] . q
+// (all lanes of the quad) when q is given.
+template <int kDk>
+__device__ __forceinline__ float gdn_quad_step(float (&col)[kDk / kGdnLanes], const float* kn,
+                                               const float* qn, float v_dv, float g, float beta) {
+  const int lane = threadIdx.x % kGdnLanes;
+  const float decay = expf(g);
+  float kv = 0.f;
+  DDTREE_UNROLL
+  for (int j = 0; j < kDk / kGdnLanes; ++j) {
+    col[j] *= decay;
+    kv += col[j] * kn[lane + kGdnLanes * j];
+  }
+  const float delta = (v_dv - gdn_quad_sum(kv)) * beta;
+  float o = 0.f;
+  DDTREE_UNROLL
+  for (int j = 0; j < kDk / kGdnLanes; ++j) {
+    col[j] += kn[lane + kGdnLanes * j] * delta;
+    if (qn) o += col[j] * qn[lane + kGdnLanes * j];
+  }
+  return qn ? gdn_quad_sum(o) : 0.f;
+}
+
+// The quad's column from the committed state pool (zero rows past Dk, or for a column past Dv).
+template <int kDk>
+__device__ __forceinline__ void gdn_quad_load_pool(const TreeGdnParams& p, int64_t b, int64_t h,
+                                                   int64_t d_v, float (&col)[kDk / kGdnLanes]) {
+  const int lane = threadIdx.x % kGdnLanes;
+  DDTREE_UNROLL
+  for (int j = 0; j < kDk / kGdnLanes; ++j) {
+    const int64_t d = lane + kGdnLanes * j;
+    col[j] = (d_v < p.dv && d < p.dk) ? p.state_pool[gdn_pool_column(p, b, h, d, d_v)] : 0.f;
+  }
+}
+
+// grid (Hv, B, ceil(Dv / kGdnColumns)), block kGdnThreads: the DFS visit of core/recurrent.h with
+// each column in registers; branch points save to / restore from the depth slots in scratch.
+template <int kDk>
+__global__ void __launch_bounds__(kGdnThreads) tree_gdn_kernel(const TreeGdnParams p) {
   DDTREE_DYNAMIC_SMEM(unsigned char, smem);
+  __shared__ float qn[kDk], kn[kDk], red[2 * kGdnWarps];
+  constexpr int kPer = kDk / kGdnLanes;
   const int64_t h = blockIdx.x, b = blockIdx.y;
-  const int64_t d_v = static_cast<int64_t>(blockIdx.z) * blockDim.x + threadIdx.x;
+  const int lane = threadIdx.x % kGdnLanes;
+  const int64_t d_v = static_cast<int64_t>(blockIdx.z) * kGdnColumns + threadIdx.x / kGdnLanes;
   const bool active = d_v < p.dv;
-  const GdnSmem s = gdn_smem(smem, p.n, p.dk);
+  const GdnSchedule s = gdn_schedule_smem(smem, p.n);
   if (threadIdx.x == 0)
     gdn_schedule(p.parents + b * p.n, p.num_nodes[b], p.n, s.first_child, s.next_sibling, s.depth,
                  s.order, s.flags, s.slot);
   __syncthreads();
-  float col[kDk];
+  float col[kPer];
+  DDTREE_UNROLL
+  for (int j = 0; j < kPer; ++j) col[j] = 0.f;
   for (int64_t at = 0; at < p.n; ++at) {
     const int64_t i = s.order[at];
-    if (threadIdx.x == 0) gdn_load_qk(p, b, i, h, s.qn, s.kn);
-    __syncthreads();
-    if (active) {
-      const uint8_t f = s.flags[at];
-      if (f & kVisitFromPool) {
-        for (int64_t d = 0; d < p.dk; ++d) col[d] = p.state_pool[gdn_pool_column(p, b, h, d, d_v)];
-      } else if ((f & kVisitRestore) && s.slot[at] <= p.max_depth) {
-        const float* saved = p.scratch + gdn_scratch_column(p, b, h, s.slot[at], d_v);
-        for (int64_t d = 0; d < p.dk; ++d) col[d] = saved[d];
-      }
-      const int64_t t = gdn_token(p, b, i, h);
-      const float o = gdn_column_step(col, p.dk, s.kn, s.qn, load_elem(p.v, p.dtype, t * p.dv + d_v),
-                                      p.g[t], p.beta[t]);
-      store_elem(p.out, p.dtype, t * p.dv + d_v, o);
-      if ((f & kVisitSave) && s.depth[i] <= p.max_depth) {
-        float* saved = p.scratch + gdn_scratch_column(p, b, h, s.depth[i], d_v);
-        for (int64_t d = 0; d < p.dk; ++d) saved[d] = col[d];
+    gdn_load_qk_block<kDk>(p, b, i, h, qn, kn, red);
+    const uint8_t f = s.flags[at];
+    if (f & kVisitFromPool) {
+      gdn_quad_load_pool<kDk>(p, b, h, d_v, col);
+    } else if ((f & kVisitRestore) && s.slot[at] <= p.max_depth && active) {
+      const float* saved = p.scratch + gdn_scratch_column(p, b, h, s.slot[at], d_v);
+      DDTREE_UNROLL
+      for (int j = 0; j < kPer; ++j) {
+        const int64_t d = lane + kGdnLanes * j;
+        col[j] = d < p.dk ? saved[d] : 0.f;
       }
     }
-    __syncthreads();
+    const int64_t t = gdn_token(p, b, i, h);
+    const float v = active ? load_elem(p.v, p.dtype, t * p.dv + d_v) : 0.f;
+    const float o = gdn_quad_step<kDk>(col, kn, qn, v, p.g[t], p.beta[t]);
+    if (active && lane == 0) store_elem(p.out, p.dtype, t * p.dv + d_v, o);
+    if ((f & kVisitSave) && s.depth[i] <= p.max_depth && active) {
+      float* saved = p.scratch + gdn_scratch_column(p, b, h, s.depth[i], d_v);
+      DDTREE_UNROLL
+      for (int j = 0; j < kPer; ++j) {
+        const int64_t d = lane + kGdnLanes * j;
+        if (d < p.dk) saved[d] = col[j];
+      }
+    }
+    __syncthreads();  // every quad is done with kn / qn before the next row overwrites them
   }
 }
 
-// grid (Hv, B, column tiles): the committed state runs through the accepted path, in place.
+// grid (Hv, B, ceil(Dv / kGdnColumns)): the committed state runs through the accepted path, in place.
 template <int kDk>
-__global__ void __launch_bounds__(kColumns) commit_gdn_kernel(const TreeGdnParams p) {
-  __shared__ float kn[kDk];
+__global__ void __launch_bounds__(kGdnThreads) commit_gdn_kernel(const TreeGdnParams p) {
+  __shared__ float kn[kDk], red[2 * kGdnWarps];
+  constexpr int kPer = kDk / kGdnLanes;
   const int64_t h = blockIdx.x, b = blockIdx.y;
-  const int64_t d_v = static_cast<int64_t>(blockIdx.z) * blockDim.x + threadIdx.x;
+  const int lane = threadIdx.x % kGdnLanes;
+  const int64_t d_v = static_cast<int64_t>(blockIdx.z) * kGdnColumns + threadIdx.x / kGdnLanes;
   const bool active = d_v < p.dv;
-  float col[kDk];
-  if (active)
-    for (int64_t d = 0; d < p.dk; ++d) col[d] = p.state_pool[gdn_pool_column(p, b, h, d, d_v)];
+  float col[kPer];
+  gdn_quad_load_pool<kDk>(p, b, h, d_v, col);
   const int64_t len = p.accept_len[b];
   for (int64_t j = 0; j < len; ++j) {
     const int64_t i = p.accepted[b * p.width + j];
-    if (threadIdx.x == 0) gdn_load_qk(p, b, i, h, nullptr, kn);
-    __syncthreads();
-    if (active) {
-      const int64_t t = gdn_token(p, b, i, h);
-      gdn_column_step(col, p.dk, kn, nullptr, load_elem(p.v, p.dtype, t * p.dv + d_v), p.g[t], p.beta[t]);
-    }
+    gdn_load_qk_block<kDk>(p, b, i, h, nullptr, kn, red);
+    const int64_t t = gdn_token(p, b, i, h);
+    const float v = active ? load_elem(p.v, p.dtype, t * p.dv + d_v) : 0.f;
+    gdn_quad_step<kDk>(col, kn, nullptr, v, p.g[t], p.beta[t]);
     __syncthreads();
   }
-  if (active)
-    for (int64_t d = 0; d < p.dk; ++d) p.state_pool[gdn_pool_column(p, b, h, d, d_v)] = col[d];
+  if (!active) return;
+  DDTREE_UNROLL
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t d = lane + kGdnLanes * j;
+    if (d < p.dk) p.state_pool[gdn_pool_column(p, b, h, d, d_v)] = col[j];
+  }
 }
 
 // grid (B): the committed window becomes the last W inputs of [window, accepted path].
@@ -123,9 +218,9 @@ __global__ void commit_conv_kernel(const TreeConvParams p, const int64_t* accept
 template <int kDk>
 int launch_gdn(const TreeGdnParams& p, void* stream, size_t smem, bool commit) {
   const dim3 grid(static_cast<unsigned>(p.hv), static_cast<unsigned>(p.batch),
-                  static_cast<unsigned>(ceil_div(p.dv, kColumns)));
+                  static_cast<unsigned>(ceil_div(p.dv, kGdnColumns)));
   auto kernel = commit ? commit_gdn_kernel<kDk> : tree_gdn_kernel<kDk>;
-  return launch_kernel(kernel, grid, dim3(kColumns), smem, stream, p);
+  return launch_kernel(kernel, grid, dim3(kGdnThreads), smem, stream, p);
 }
 
 int launch_gdn_any(const TreeGdnParams& p, void* stream, size_t smem, bool commit) {
@@ -144,8 +239,7 @@ int launch_tree_conv(const TreeConvParams& p, void* stream) {
 
 int launch_tree_gdn(const TreeGdnParams& p, void* stream) {
   if (p.batch == 0 || p.n == 0 || p.hv == 0 || p.dv == 0) return 0;
-  const size_t smem = static_cast<size_t>(gdn_schedule_bytes(p.n) + 2 * p.dk * sizeof(float));
-  return launch_gdn_any(p, stream, smem, false);
+  return launch_gdn_any(p, stream, static_cast<size_t>(gdn_schedule_bytes(p.n)), false);
 }
 
 int launch_commit_recurrent(const CommitRecurrentParams& p, void* stream) {

@@ -12,7 +12,7 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kMaxHeadDim = 256;  // per-thread state column on the GPU
+constexpr int64_t kMaxHeadDim = 256;  // the GPU kernels keep a state column in registers
 constexpr int64_t kMaxRows = 2049;    // the depth-first schedule lives in shared memory
 
 bool is_activation_dtype(at::ScalarType t) {
