@@ -24,7 +24,7 @@ fi
     -DCMAKE_CUDA_ARCHITECTURES="$CMAKE_CUDA_ARCHITECTURES" > "$OUT/cmake.log" 2>&1 &&
   cmake --build build/cmake-gpu -j 8 >> "$OUT/cmake.log" 2>&1 ) &
 cmake_pid=$!
-PYTHONPATH=python timeout 300 "$PY" -m pytest tests -q -rs -x --durations=5 > "$OUT/pytest.txt" 2>&1 || status=1
+PYTHONPATH=python timeout 300 "$PY" -m pytest tests -q -rs --durations=5 > "$OUT/pytest.txt" 2>&1 || status=1
 tail -25 "$OUT/pytest.txt"
 if wait "$cmake_pid"; then
   for b in bench_tree_visibility_cuda bench_tree_ops_cuda bench_attention_cuda; do
