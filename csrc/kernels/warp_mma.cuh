@@ -73,7 +73,7 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_s
   simt::cp_async_16(smem_dst, global_src);
 #elif defined(__CUDA_ARCH__)
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(global_src));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(global_src) : "memory");
 #endif
 }
 
@@ -81,7 +81,7 @@ __device__ __forceinline__ void cp_async_commit() {
 #if defined(DDTREE_EMULATE)
   simt::cp_async_commit();
 #elif defined(__CUDA_ARCH__)
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
@@ -90,7 +90,7 @@ __device__ __forceinline__ void cp_async_wait() {
 #if defined(DDTREE_EMULATE)
   simt::cp_async_wait(kPending);
 #elif defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
 
