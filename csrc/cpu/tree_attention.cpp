@@ -1,5 +1,8 @@
 #include "cpu/tree_attention.h"
 
+#include "cpu/vector_math.h"
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -7,58 +10,154 @@
 namespace ddtree::cpu {
 namespace {
 
-float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+constexpr int64_t kRowTile = 8;    // query rows per tile
+constexpr int64_t kKeyBlock = 64;  // keys per block: K / V blocks stay in L1 / L2 for the tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+constexpr int64_t kDChunk = 32;   // output columns kept in registers while keys stream
+
+// Scores of two query rows against one key block stored transposed (kt: [D][kKeyBlock]), 32 keys
+// at a time: 8 vector accumulators, each loaded key vector feeds two multiply-adds.
+__attribute__((always_inline)) inline void block_scores_pair(const float* q0, const float* q1, const float* kt, int64_t D, float* s0,
+                       float* s1) {
+  constexpr int64_t kHalf = kKeyBlock / 2;
+  for (int64_t h = 0; h < kKeyBlock; h += kHalf) {
+    float a0[kHalf] = {}, a1[kHalf] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float x0 = q0[d], x1 = q1[d];
+      const float* kd = kt + d * kKeyBlock + h;
+#pragma omp simd
+      for (int64_t jj = 0; jj < kHalf; ++jj) {
+        a0[jj] += x0 * kd[jj];
+        a1[jj] += x1 * kd[jj];
+      }
+    }
+    for (int64_t jj = 0; jj < kHalf; ++jj) {
+      s0[h + jj] = a0[jj];
+      s1[h + jj] = a1[jj];
+    }
+  }
 }
 
-void axpy(float w, const float* x, float* y, int64_t n) {
+// acc[:cols] += sum_jj w[jj] * v_jj[:cols] over one key block (rows of v `stride` apart),
+// kDChunk output columns at a time in registers; cols is a multiple of kDChunk.
+__attribute__((always_inline)) inline void block_weighted_values(const float* w, const float* v, int64_t nk, int64_t stride,
+                           int64_t cols, float* acc) {
+  for (int64_t d0 = 0; d0 < cols; d0 += kDChunk) {
+    float a[kDChunk];
+    for (int64_t t = 0; t < kDChunk; ++t) a[t] = acc[d0 + t];
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      const float wj = w[jj];
+      if (wj == 0.f) continue;
+      const float* vj = v + jj * stride + d0;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+      for (int64_t t = 0; t < kDChunk; ++t) a[t] += wj * vj[t];
+    }
+    for (int64_t t = 0; t < kDChunk; ++t) acc[d0 + t] = a[t];
+  }
+}
+
+// Work item = (request, KV head): keys (transposed per block of kKeyBlock) and values converted
+// to fp32 once; the head group's query rows go in tiles of kRowTile through the key blocks with
+// an online softmax (FlashAttention's recurrence), so a K / V block is read from memory once per
+// tile.
+__attribute__((always_inline)) inline void attention_items(const TreeAttentionParams& p,
+                                                            int64_t begin, int64_t end) {
+  const int64_t D = p.d, rep = p.hq / p.hkv, rows = rep * p.n;
+  std::vector<float> kt, vf, qs(kRowTile * D), scores(kRowTile * kKeyBlock), acc(kRowTile * D);
+  float m[kRowTile], l[kRowTile];
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / p.hkv, kh = item % p.hkv;
+    const int64_t past = p.past_len[b], keys = tree_key_count(p, b);
+    // Keys [0, open) are visible to every row: the prefix, up to prefix_len when given.
+    const int64_t open = p.prefix_len ? std::min(past, p.prefix_len[b]) : past;
+    const int64_t kv_base = b * p.kv_stride_b + kh * p.kv_stride_h;
+    const int64_t blocks = (keys + kKeyBlock - 1) / kKeyBlock;
+    kt.assign(blocks * D * kKeyBlock, 0.f);
+    vf.resize(keys * D);
+    for (int64_t j = 0; j < keys; ++j)
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t at = kv_base + j * p.kv_stride_s + d;
+        kt[(j / kKeyBlock * D + d) * kKeyBlock + j % kKeyBlock] = load_elem(p.k, p.dtype, at);
+        vf[j * D + d] = load_elem(p.v, p.dtype, at);
+      }
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int64_t nr = std::min(kRowTile, rows - r0);
+      for (int64_t r = 0; r < kRowTile; ++r) {
+        const int64_t h = kh * rep + (r0 + r) / p.n, i = (r0 + r) % p.n;
+        const int64_t q_base = b * p.q_stride_b + i * p.q_stride_n + h * p.q_stride_h;
+        for (int64_t d = 0; d < D; ++d)
+          qs[r * D + d] = r < nr ? load_elem(p.q, p.dtype, q_base + d) * p.scale : 0.f;
+        m[r] = kNegInf;
+        l[r] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
+        const int64_t nk = std::min(kKeyBlock, keys - j0);
+        for (int64_t r = 0; r < nr; r += 2)  // rows past nr have zero queries (qs) and are unused
+          block_scores_pair(qs.data() + r * D, qs.data() + (r + 1) * D, kt.data() + j0 * D, D,
+                            scores.data() + r * kKeyBlock, scores.data() + (r + 1) * kKeyBlock);
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t i = (r0 + r) % p.n;
+          float* s = scores.data() + r * kKeyBlock;
+          if (j0 + nk > open) {  // the block reaches past the fully visible prefix
+            for (int64_t jj = 0; jj < nk; ++jj)
+              if (!tree_key_visible(p, b, i, past, j0 + jj)) s[jj] = kNegInf;
+          }
+          float block_max = kNegInf;
+#pragma omp simd reduction(max : block_max)
+          for (int64_t jj = 0; jj < nk; ++jj) block_max = std::max(block_max, s[jj]);
+          if (block_max == kNegInf) continue;
+          const float new_max = std::max(m[r], block_max);
+          const float rescale = m[r] == kNegInf ? 0.f : std::exp(m[r] - new_max);
+          float* a = acc.data() + r * D;
+          if (rescale != 1.f) {
+            for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+            l[r] *= rescale;
+          }
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            s[jj] = s[jj] == kNegInf ? 0.f : exp_nonpositive(s[jj] - new_max);
+            sum += s[jj];
+          }
+          l[r] += sum;
+          const int64_t main = D / kDChunk * kDChunk;
+          block_weighted_values(s, vf.data() + j0 * D, nk, D, main, a);
+          for (int64_t d = main; d < D; ++d)
+            for (int64_t jj = 0; jj < nk; ++jj) a[d] += s[jj] * vf[(j0 + jj) * D + d];
+          m[r] = new_max;
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t h = kh * rep + (r0 + r) / p.n, i = (r0 + r) % p.n;
+        const int64_t out_base = ((b * p.n + i) * p.hq + h) * D;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) store_elem(p.out, p.dtype, out_base + d, acc[r * D + d] * inv);
+      }
+    }
+  }
+}
+
+// The same loops compiled twice: with AVX2 + FMA (chosen at run time where the CPU has both) and
+// for the baseline ISA.
+__attribute__((target("avx2,fma"))) void attention_items_avx2(const TreeAttentionParams& p,
+                                                             int64_t begin, int64_t end) {
+  attention_items(p, begin, end);
+}
+
+void attention_items_baseline(const TreeAttentionParams& p, int64_t begin, int64_t end) {
+  attention_items(p, begin, end);
 }
 
 }  // namespace
 
-// Work item = (request, KV head): its keys / values are converted to fp32 once, then every query
-// row of the head group runs two passes (scores and max; exp-weights and the weighted values).
 void tree_attention_rows(const TreeAttentionParams& p, int64_t begin, int64_t end) {
-  const int64_t D = p.d, rep = p.hq / p.hkv;
-  std::vector<float> kf, vf, q(D), score, acc(D);
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t b = item / p.hkv, kh = item % p.hkv;
-    const int64_t past = p.past_len[b], keys = tree_key_count(p, b);
-    const int64_t kv_base = b * p.kv_stride_b + kh * p.kv_stride_h;
-    kf.resize(keys * D);
-    vf.resize(keys * D);
-    for (int64_t j = 0; j < keys; ++j)
-      for (int64_t d = 0; d < D; ++d) {
-        kf[j * D + d] = load_elem(p.k, p.dtype, kv_base + j * p.kv_stride_s + d);
-        vf[j * D + d] = load_elem(p.v, p.dtype, kv_base + j * p.kv_stride_s + d);
-      }
-    for (int64_t h = kh * rep; h < (kh + 1) * rep; ++h)
-      for (int64_t i = 0; i < p.n; ++i) {
-        const int64_t q_base = b * p.q_stride_b + i * p.q_stride_n + h * p.q_stride_h;
-        for (int64_t d = 0; d < D; ++d) q[d] = load_elem(p.q, p.dtype, q_base + d) * p.scale;
-        score.assign(keys, -std::numeric_limits<float>::infinity());
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < keys; ++j) {
-          if (!tree_key_visible(p, b, i, past, j)) continue;
-          score[j] = dot(q.data(), kf.data() + j * D, D);
-          mx = std::max(mx, score[j]);
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float total = 0.f;
-        for (int64_t j = 0; j < keys; ++j) {
-          if (score[j] == -std::numeric_limits<float>::infinity()) continue;
-          const float w = std::exp(score[j] - mx);
-          total += w;
-          axpy(w, vf.data() + j * D, acc.data(), D);
-        }
-        const int64_t out_base = ((b * p.n + i) * p.hq + h) * D;
-        for (int64_t d = 0; d < D; ++d) store_elem(p.out, p.dtype, out_base + d, total > 0 ? acc[d] / total : 0.f);
-      }
+  static const bool avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2_fma) {
+    attention_items_avx2(p, begin, end);
+  } else {
+    attention_items_baseline(p, begin, end);
   }
 }
 
