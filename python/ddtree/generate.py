@@ -157,9 +157,10 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     valid length are padding (masked by prefix_len; paths committed to each request's length).
     A finished request stops advancing (its accepted rows are no longer committed).
     static_cache: the target verifies on transformers' StaticCache with fixed-shape buffers
-    (ddtree.static_verify: no cache concatenation or crop per round); default on for dense targets
-    on the tree_attention implementation whose attention the kernel covers, and for cuda_graph;
-    cuda_graph: that step is captured once as a CUDA graph and replayed.
+    (ddtree.static_verify: no cache concatenation or crop per round); default on for targets on
+    the tree_attention implementation whose attention the kernel covers, and for cuda_graph;
+    cuda_graph: that step (hybrid Gated DeltaNet layers included) is captured once as a CUDA
+    graph and replayed.
     Returns one GenerationResult per request; streamer(request, new_tokens)."""
     if mode not in MODES:
         raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
@@ -173,12 +174,9 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     is_hybrid = _check_target(target)
     if static_cache is None:
-        static_cache = cuda_graph or (not is_hybrid and _static_path_available(target))
+        static_cache = cuda_graph or _static_path_available(target)
     if cuda_graph and not static_cache:
         raise ValueError("generate: cuda_graph=True needs static_cache (fixed-shape verify step)")
-    if static_cache and is_hybrid:
-        raise ValueError("generate: static_cache / cuda_graph support dense targets; hybrid "
-                         "(Gated DeltaNet) targets verify on the dynamic cache")
     speculative = mode != "autoregressive"
     if speculative:
         if drafter is None:
@@ -214,10 +212,10 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
         from .static_verify import StaticVerifier
 
         n_rows = 1 if not speculative else (depth + 1 if mode == "chain" else max(budgets) + 1)
-        verifier = StaticVerifier(target, cache, valid_h, batch, n_rows,
+        verifier = StaticVerifier(target, cache, batch, n_rows,
                                   phys + max_new_tokens + depth + n_rows + 1, speculative,
-                                  cuda_graph)
-        del cache
+                                  cuda_graph, is_hybrid, depth)
+        cache = verifier.cache
     bonus = torch.cat(first)
     batched_drafter = speculative and getattr(drafter, "batched", False)
     if not speculative:
@@ -258,10 +256,11 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
         n = tree.node_tokens.shape[1]
         t2 = time.perf_counter()
-        tree_pass = hybrid.TreePass(tree, depth)
         if verifier is not None:
             logits, hidden_states = verifier.run(tree, vis, valid, phys)
+            tree_pass = verifier.tree_pass
         else:
+            tree_pass = hybrid.TreePass(tree, depth)
             if hf.uses_tree_attention(target):
                 mask = vis.packed[:, None]
             else:
@@ -287,8 +286,7 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
         start = torch.full((batch,), phys, dtype=torch.long, device=device)
         new_valid = valid + verdict.accept_len
         new_phys = max(v + a for v, a in zip(valid_h, accept_len))
-        layers = verifier.attention_layers if verifier is not None else cache.layers
-        for layer in layers:
+        for layer in cache.layers:
             if getattr(layer, "keys", None) is None:
                 continue
             ops.commit_kv_(layer.keys, start, verdict.accepted, verdict.accept_len, "BHSD", valid)

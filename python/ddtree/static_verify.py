@@ -8,21 +8,27 @@ write offset `cumulative_length` and the tree_attention op's past_len, both devi
 forward runs the "ddtree" attention implementation (tree_attention op; no mask whose shape
 depends on the prefix length). Without cuda_graph (or on CPU) the same static path runs eagerly,
 which is how the CPU tests check it.
+
+Hybrid targets (Gated DeltaNet layers): the linear-attention cache layers (conv window,
+recurrent state; fixed-size already) are reused as they are, the tree's parents / node counts are
+static buffers too, and the GDN modules run over the tree (ddtree.hybrid) inside the captured
+forward; `tree_pass.saved` then holds the static tensors the recurrent commit reads.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
-from . import hf, ops
+from . import hf, hybrid, ops
 
 
 class StaticVerifier:
     """Owns the static cache and buffers of one generation and runs the target over a tree."""
 
-    def __init__(self, target, merged_cache, lengths, batch: int, n: int, max_cache_len: int,
-                 want_hidden: bool, cuda_graph: bool):
+    def __init__(self, target, merged_cache, batch: int, n: int, max_cache_len: int,
+                 want_hidden: bool, cuda_graph: bool, is_hybrid: bool = False, max_depth: int = 0):
         from transformers import StaticCache
 
         if not hf.uses_tree_attention(target):
@@ -35,36 +41,47 @@ class StaticVerifier:
         self.target, self.n, self.want_hidden = target, n, want_hidden
         self.cache = StaticCache(config=target.config, max_cache_len=max_cache_len)
         self.max_cache_len = max_cache_len
-        for static, dynamic in zip(self.cache.layers, merged_cache.layers):
+        for i, (static, dynamic) in enumerate(zip(self.cache.layers, merged_cache.layers)):
+            if getattr(dynamic, "keys", None) is None:  # linear attention: fixed-size states
+                self.cache.layers[i] = dynamic
+                continue
             keys, values = dynamic.keys, dynamic.values
             static.lazy_initialization(keys, values)
             static.keys[:, :, : keys.shape[2]] = keys
             static.values[:, :, : values.shape[2]] = values
+        self.is_hybrid = is_hybrid
         words = (n + 31) // 32
         self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
         self.packed = torch.zeros(batch, n, words, dtype=torch.int32, device=device)
         self.prefix = torch.zeros(batch, dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
+        self.parents = torch.full((batch, n), -1, dtype=torch.long, device=device)
+        self.num_nodes = torch.ones(batch, dtype=torch.long, device=device)
+        none = torch.full((batch, n), -1, dtype=torch.long, device=device)
+        self.tree_pass = hybrid.TreePass(
+            ops.DraftTree(self.tokens, self.parents, none, none, none, self.num_nodes), max_depth)
         self.use_graph = cuda_graph
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.outputs = None
 
-    @property
-    def attention_layers(self):
-        return self.cache.layers
-
     def _forward(self):
-        with hf.batch_prefix(self.prefix), hf.tree_start(self.start):
+        mask = self.packed[:, None]
+        if self.is_hybrid:
+            mask = {"full_attention": mask, "linear_attention": None}
+        gdn = hybrid.tree_verification(self.target, self.tree_pass) if self.is_hybrid \
+            else contextlib.nullcontext()
+        with gdn, hf.batch_prefix(self.prefix), hf.tree_start(self.start):
             out = self.target(input_ids=self.tokens, position_ids=self.positions,
-                              attention_mask=self.packed[:, None], past_key_values=self.cache,
+                              attention_mask=mask, past_key_values=self.cache,
                               use_cache=True, output_hidden_states=self.want_hidden)
         return out.logits, (tuple(out.hidden_states) if self.want_hidden else None)
 
     def _set_start(self, phys: int) -> None:
         self.start.fill_(phys)
         for layer in self.cache.layers:
-            layer.cumulative_length.fill_(phys)
+            if hasattr(layer, "cumulative_length"):  # attention layers (not the linear ones)
+                layer.cumulative_length.fill_(phys)
 
     def _capture(self, phys: int) -> None:
         stream = torch.cuda.Stream()
@@ -92,6 +109,8 @@ class StaticVerifier:
         self.positions.copy_(vis.positions)
         self.packed.copy_(vis.packed)
         self.prefix.copy_(valid)
+        self.parents.copy_(tree.parents)
+        self.num_nodes.copy_(tree.num_nodes)
         if not self.use_graph:
             self._set_start(phys)
             return self._forward()
