@@ -1,8 +1,10 @@
-"""GPU loop benchmark (run by bench/gpu_check.sh): one random-weight bf16 Qwen3-architecture
-target (tree_attention verification) and a random DFlash drafter; tokens/s and per-stage times
-of autoregressive, tree (eager verify) and tree with cuda_graph=True, on the same prompts, with
-the outputs checked equal. Random weights give short acceptances: the numbers measure the step
-costs (verify eager vs graph replay), not a real drafter's speed-up."""
+"""GPU loop benchmark (run by bench/gpu_check.sh): random-weight bf16 targets — a dense
+Qwen3-architecture one and a hybrid Qwen3.5-architecture one (Gated DeltaNet + attention) — on
+the tree_attention implementation, with a random DFlash drafter; tokens/s and per-stage times of
+autoregressive decoding and of tree verification on transformers' DynamicCache, on the static
+cache (eager) and with cuda_graph=True, same prompts, outputs checked equal to autoregressive.
+Random weights give short acceptances: the numbers compare step costs, not a real drafter's
+speed-up."""
 import argparse
 import json
 import time
@@ -16,12 +18,24 @@ from ddtree.generate import generate_batch
 from ddtree.models import DFlashDrafter, dflash_config
 
 
-def build(layers, hidden, heads, kv_heads, head_dim, vocab, device, dtype):
+def build(layers, hidden, heads, kv_heads, head_dim, vocab, device, dtype, hybrid=False):
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      intermediate_size=3 * hidden, max_position_embeddings=8192)
-    target = Qwen3ForCausalLM(cfg).eval().to(device, dtype)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  intermediate_size=3 * hidden, max_position_embeddings=8192)
+    if hybrid:
+        from transformers import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+        target = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            layer_types=["linear_attention", "linear_attention", "linear_attention",
+                         "full_attention"] * (layers // 4),
+            linear_num_key_heads=heads // 2, linear_num_value_heads=heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+            linear_conv_kernel_dim=4, **common))
+    else:
+        target = Qwen3ForCausalLM(Qwen3Config(**common))
+    target = target.eval().to(device, dtype)
     hf.use_tree_attention(target)
     dcfg = dflash_config(dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
                               num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -29,6 +43,44 @@ def build(layers, hidden, heads, kv_heads, head_dim, vocab, device, dtype):
                               num_target_layers=layers, dflash_config={"mask_token_id": vocab - 1}))
     drafter = DFlashDrafter(dcfg).eval().to(device, dtype)
     return target, drafter
+
+
+def run_model(dims, device, dtype, hybrid, new_tokens):
+    target, drafter = build(**dims, device=device, dtype=dtype, hybrid=hybrid)
+    model = "qwen3.5-like hybrid" if hybrid else "qwen3-like dense"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, dims["vocab"] - 1, (n,), generator=g).to(device)
+               for n in (200, 57, 513, 31)]
+    graph = dict(cuda_graph=True) if device == "cuda" else dict(static_cache=True)
+    rows, reference = [], None
+    for name, kw in (("autoregressive", dict(mode="autoregressive")),
+                     ("tree dynamic cache", dict(mode="tree", budget=64, static_cache=False)),
+                     ("tree static cache", dict(mode="tree", budget=64, static_cache=True)),
+                     ("tree cuda_graph" if device == "cuda" else "tree static (again)",
+                      dict(mode="tree", budget=64, **graph))):
+        generate_batch(target, drafter, prompts[:1], 8, **kw)  # warm-up
+        sync()
+        start = time.perf_counter()
+        results = generate_batch(target, drafter, prompts, new_tokens, **kw)
+        sync()
+        seconds = time.perf_counter() - start
+        tokens = [r.tokens for r in results]
+        if reference is None:
+            reference = tokens
+        elif tokens != reference:
+            print(f"bench_loop_gpu: {model} {name} differs from autoregressive (bf16 tree vs "
+                  f"chain numerics, or a bug)", flush=True)
+        rounds = sum(len(r.acceptance_lengths) for r in results) / len(results)
+        stages = {k: 1e3 * v / max(1.0, rounds) for k, v in results[0].stage_seconds.items()}
+        rows.append(dict(model=model, name=name, batch=len(prompts),
+                         tokens_per_second=sum(map(len, tokens)) / seconds,
+                         tau=sum(r.tau for r in results) / len(results), ms_per_round=stages,
+                         same_as_autoregressive=tokens == reference))
+        print(f"{model:20s} {name:20s} B={len(prompts)}: {rows[-1]['tokens_per_second']:8.1f} tok/s, "
+              f"tau {rows[-1]['tau']:.2f}, ms/round " +
+              " ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
+    return rows
 
 
 def main():
@@ -39,7 +91,7 @@ def main():
                         help="tiny fp32 model on CPU, static_cache instead of the graph (checks the script)")
     args = parser.parse_args()
     if args.smoke_cpu:
-        device, dtype, dims = "cpu", torch.float32, dict(layers=2, hidden=64, heads=4, kv_heads=2,
+        device, dtype, dims = "cpu", torch.float32, dict(layers=4, hidden=64, heads=4, kv_heads=2,
                                                          head_dim=16, vocab=512)
     else:
         if not torch.cuda.is_available() or not ddtree.has_cuda_kernels():
@@ -47,35 +99,9 @@ def main():
             return
         device, dtype, dims = "cuda", torch.bfloat16, dict(layers=8, hidden=1024, heads=16,
                                                            kv_heads=4, head_dim=128, vocab=32000)
-    target, drafter = build(**dims, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, dims["vocab"] - 1, (n,), generator=g).to(device)
-               for n in (200, 57, 513, 31)]
-    graph = dict(cuda_graph=True) if device == "cuda" else dict(static_cache=True)
-    rows, reference = [], None
-    for name, kw in (("autoregressive", dict(mode="autoregressive")),
-                     ("tree eager", dict(mode="tree", budget=64)),
-                     ("tree cuda_graph" if device == "cuda" else "tree static",
-                      dict(mode="tree", budget=64, **graph))):
-        generate_batch(target, drafter, prompts[:1], 8, **kw)  # warm-up
-        sync()
-        start = time.perf_counter()
-        results = generate_batch(target, drafter, prompts, args.new_tokens, **kw)
-        sync()
-        seconds = time.perf_counter() - start
-        tokens = [r.tokens for r in results]
-        if reference is None:
-            reference = tokens
-        elif tokens != reference:
-            raise SystemExit(f"bench_loop_gpu: {name} differs from autoregressive (lossless violated)")
-        rounds = sum(len(r.acceptance_lengths) for r in results) / len(results)
-        stages = {k: 1e3 * v / max(1.0, rounds) for k, v in results[0].stage_seconds.items()}
-        rows.append(dict(name=name, batch=len(prompts), tokens_per_second=sum(map(len, tokens)) / seconds,
-                         tau=sum(r.tau for r in results) / len(results), ms_per_round=stages))
-        print(f"{name:16s} B={len(prompts)}: {rows[-1]['tokens_per_second']:8.1f} tok/s, "
-              f"tau {rows[-1]['tau']:.2f}, ms/round " +
-              " ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
+    rows = []
+    for hybrid in (False, True):
+        rows += run_model(dims, device, dtype, hybrid, args.new_tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
