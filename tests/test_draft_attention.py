@@ -111,6 +111,8 @@ def test_opcheck(namespace):
     c = case(4, lq=3, context=(2,))
     torch.library.opcheck(getattr(torch.ops, namespace).draft_attention.default, (*c, None))
     torch.library.opcheck(getattr(torch.ops, namespace).draft_attention.default, (*c, None, 2))
+    torch.library.opcheck(getattr(torch.ops, namespace).draft_attention.default,
+                          (*c, None, None, torch.tensor([1, 2])))
 
 
 def test_bad_input():
