@@ -31,10 +31,17 @@ def case(seed, batch=2, lq=16, context=(5,), hq=4, hkv=2, d=64, cached=(7, 0), s
     return tensors + [torch.tensor(cached), qw, kw, emb.cos(), emb.sin(), c, 1e-6]
 
 
+def copy_to(x, dev):
+    """A copy on `dev` that keeps the storage offset modulo 16 bytes (misaligned stays so)."""
+    skew = (x.data_ptr() % 16) // x.element_size()
+    flat = torch.empty(x.numel() + 16, dtype=x.dtype, device=dev)
+    return flat[skew: skew + x.numel()].view(x.shape).copy_(x)
+
+
 def run(backend, c, scale=None, num_splits=None, context_len=None):
     dev = "cpu" if backend == "cpu" else kernel_device(backend)
     ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
-    args = [x.clone().to(dev) if isinstance(x, torch.Tensor) else x for x in c]
+    args = [copy_to(x, dev) if isinstance(x, torch.Tensor) else x for x in c]
     lens = None if context_len is None else context_len.to(dev)
     out = ops.draft_attention(*args, scale, num_splits, lens)
     return out.cpu(), args[3].cpu(), args[4].cpu()
@@ -90,6 +97,17 @@ def test_split_over_keys(backend, splits):
     """Split key ranges that cut the cached rows, the new context rows (each appended to the cache
     exactly once, by the split that owns it) and the block rows; empty splits."""
     check(backend, case(7, batch=2, cached=(70, 3), s=120, context=(9,), lq=16), num_splits=splits)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_misaligned_cache_takes_the_synchronous_copy_path(backend):
+    c = case(10, cached=(30, 12), s=64)
+    for i in (3, 4):
+        flat = torch.empty(c[i].numel() + 8, dtype=c[i].dtype)
+        c[i] = flat[1: 1 + c[i].numel()].view(c[i].shape).copy_(c[i])
+        assert c[i].data_ptr() % 16 != 0
+    check(backend, c, num_splits=2)
+    assert copy_to(c[3], "cpu").data_ptr() % 16 != 0
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

@@ -27,12 +27,22 @@ def case(seed, batch=2, n=20, hq=4, hkv=2, d=64, past=(37, 0), dtype=torch.bfloa
     return [t.to(dtype) for t in (q, k, v)] + [torch.tensor(past), vis[1], vis[0]]
 
 
+def same_skew(x, dev):
+    """x on `dev` with its storage offset modulo 16 bytes and its strides kept."""
+    if x.device == torch.device(dev):
+        return x
+    skew = (x.data_ptr() % 16) // x.element_size()
+    flat = torch.empty(x.untyped_storage().nbytes() // x.element_size() + 16, dtype=x.dtype, device=dev)
+    out = flat[skew:].as_strided(x.shape, x.stride())
+    return out.copy_(x)
+
+
 def check(backend, c, scale=None, num_splits=None):
     q, k, v, past, packed, visible = c
     dev = "cpu" if backend == "cpu" else kernel_device(backend)
     ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
-    got = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), past.to(dev), packed.to(dev), scale,
-                             None, num_splits).cpu()
+    got = ops.tree_attention(q.to(dev), same_skew(k, dev), same_skew(v, dev), past.to(dev),
+                             packed.to(dev), scale, None, num_splits).cpu()
     truth = reference.tree_attention(q.double(), k.double(), v.double(), past, visible, scale)
     torch_own = reference.tree_attention(q, k, v, past, visible, scale)
     torch_err = (torch_own.double() - truth).abs().max().item()
@@ -74,6 +84,27 @@ def test_split_over_keys(backend, splits):
     cutting the prefix, the tree block and padding; more splits than key chunks (empty splits);
     requests of different lengths in one launch."""
     check(backend, case(10, batch=2, n=20, hq=4, hkv=2, past=(150, 9)), num_splits=splits)
+
+
+def misaligned(t):
+    """The same values in storage starting 2 bytes past a 16-byte boundary (no cp.async)."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype)
+    out = flat[1: 1 + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0
+    return out
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_misaligned_or_strided_kv_takes_the_synchronous_copy_path(backend):
+    q, k, v, past, packed, visible = case(12, n=18, past=(40, 3))
+    check(backend, [q, misaligned(k), misaligned(v), past, packed, visible], num_splits=2)
+    # K / V as views whose token stride is not a multiple of 8 elements (still D-contiguous).
+    wide_k = torch.zeros(*k.shape[:3], k.shape[3] + 4, dtype=k.dtype)
+    wide_v = torch.zeros_like(wide_k)
+    wide_k[..., : k.shape[3]] = k
+    wide_v[..., : k.shape[3]] = v
+    check(backend, [q, wide_k[..., : k.shape[3]], wide_v[..., : k.shape[3]], past, packed, visible])
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
