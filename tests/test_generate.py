@@ -519,6 +519,65 @@ def test_lossless_with_cuda_graph(kind):
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
     assert [r.acceptance_lengths for r in graph] == [r.acceptance_lengths for r in eager]
     assert max(r.tau for r in graph) > 1.5
+    # The DFlash drafter's step captured too (fused draft_attention, head_dim 64).
+    extra = {"mask_token_id": VOCAB - 1}
+    dcfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                              intermediate_size=256, block_size=8, num_target_layers=LAYERS,
+                              dflash_config=extra))
+    drafter = DFlashDrafter(dcfg).eval().to("cuda", torch.bfloat16)
+    assert drafter.new_cache().fused
+    eager = generate_batch(target, drafter, prompts, 24, budget=16, static_cache=True)
+    graph = generate_batch(target, drafter, prompts, 24, budget=16, cuda_graph=True)
+    assert [r.tokens for r in graph] == [r.tokens for r in eager]
+
+
+def test_static_drafter_proposes_what_the_drafter_proposes():
+    """The fixed-shape drafter step (what cuda_graph captures: <= block_size new rows padded in
+    static buffers, preallocated cache, draft_attention context_len), run eagerly, equals
+    DFlashDrafter.propose round after round; a round with more rows than a block (the prompt)
+    goes through propose itself."""
+    from ddtree.static_verify import StaticDrafter
+
+    target = tiny_target()
+    drafter = tiny_drafter()
+    drafter.fused_attention = True
+    width = HIDDEN * len(drafter.target_layer_ids)
+    static = StaticDrafter(drafter, target, 3, 200, width, cuda_graph=False)
+    plain = drafter.new_cache(3)
+    g = torch.Generator().manual_seed(2)
+    for round_ in range(5):
+        counts = [11, 3, 20] if round_ == 0 else [(round_ + b) % 8 for b in range(3)]
+        feats = [torch.randn(1, c, width, generator=g) for c in counts]
+        bonus = torch.randint(0, VOCAB, (3,), generator=g)
+        want = drafter.propose(target, bonus, feats, plain)
+        got = static.propose(bonus, feats)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert static.cache.lengths == plain.lengths
+    rows = plain.lengths[2]
+    torch.testing.assert_close(static.cache.layers[0][0][2, :, :rows], plain.layers[0][0][2, :, :rows])
+    unfused = tiny_drafter()
+    with pytest.raises(ValueError, match="fused draft_attention path"):
+        StaticDrafter(unfused, target, 1, 64, width, cuda_graph=False)
+
+
+def test_lossless_with_the_static_drafter_and_verify_step(monkeypatch):
+    from ddtree import hf
+    from ddtree.generate import generate_batch
+    from ddtree.static_verify import StaticDrafter
+
+    target = tiny_target(seed=3)
+    hf.use_tree_attention(target)
+    drafter = tiny_drafter()
+    drafter.fused_attention = True
+    calls = []
+    real = StaticDrafter.propose
+    monkeypatch.setattr(StaticDrafter, "propose", lambda self, *a: calls.append(1) or real(self, *a))
+    truths = [greedy_reference(target, torch.tensor([p]), 16) for p in PROMPTS]
+    for mode in ("tree", "chain"):
+        results = generate_batch(target, drafter, PROMPTS, 16, mode=mode, budget=[16, 8, 24])
+        assert [r.tokens for r in results] == truths
+    assert calls
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])

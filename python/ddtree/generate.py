@@ -218,8 +218,15 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
         cache = verifier.cache
     bonus = torch.cat(first)
     batched_drafter = speculative and getattr(drafter, "batched", False)
+    static_drafter = None
     if not speculative:
         draft_caches = None
+    elif batched_drafter and static_cache and drafter.new_cache().fused:
+        from .static_verify import StaticDrafter
+
+        static_drafter = StaticDrafter(drafter, target, batch, phys + max_new_tokens + 2 * (depth + 1),
+                                       features[0].shape[-1], cuda_graph)
+        draft_caches = static_drafter.cache
     elif batched_drafter:
         draft_caches = drafter.new_cache(batch)
     else:
@@ -237,7 +244,9 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     stages = dict(draft=0.0, tree=0.0, verify=0.0, commit=0.0)
     while not all(finished(b) for b in range(batch)):
         t0 = time.perf_counter()
-        if batched_drafter:
+        if static_drafter is not None:
+            logits = static_drafter.propose(bonus, features)
+        elif batched_drafter:
             logits = drafter.propose(target, bonus, features, draft_caches)
         elif speculative:
             logits = torch.cat([drafter.propose(target, bonus[b:b + 1], features[b], draft_caches[b])

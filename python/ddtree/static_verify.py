@@ -119,3 +119,74 @@ class StaticVerifier:
         self._set_start(phys)
         self.graph.replay()
         return self.outputs
+
+
+class _StaticRows:
+    """Context lengths and valid new rows per request as static device buffers (the fused
+    drafter attention reads only these)."""
+
+    def __init__(self, batch: int, device):
+        self.cached_t = torch.zeros(batch, dtype=torch.long, device=device)
+        self.new_t = torch.zeros(batch, dtype=torch.long, device=device)
+
+
+class StaticDrafter:
+    """The DFlash drafter's step on fixed shapes: at most block_size new context rows per request
+    (what a round accepts), padded and masked through draft_attention's context_len, a context
+    cache preallocated to `capacity` rows, static input buffers; on CUDA captured as a graph and
+    replayed. Rounds that bring more rows (the prompt's features) run the drafter eagerly."""
+
+    def __init__(self, drafter, target, batch: int, capacity: int, feature_width: int,
+                 cuda_graph: bool):
+        device = drafter.fc.weight.device
+        self.drafter, self.target = drafter, target
+        self.cache = drafter.new_cache(batch, capacity)
+        if not self.cache.fused:
+            raise ValueError("StaticDrafter: needs the drafter's fused draft_attention path "
+                             "(drafter.fused_attention)")
+        self.rows_max = drafter.block_size
+        self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
+        self.feats = torch.zeros(batch, self.rows_max, feature_width, dtype=drafter.fc.weight.dtype,
+                                 device=device)
+        self.rows = _StaticRows(batch, device)
+        self.use_graph = cuda_graph
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits = None
+
+    def _step(self):
+        return self.drafter.draft_block(self.target, self.bonus, self.feats, self.rows, self.cache)
+
+    def propose(self, bonus: torch.Tensor, features) -> torch.Tensor:
+        """As DFlashDrafter.propose(target, bonus, features, cache) on this object's cache; the
+        returned logits of a replayed graph are overwritten next round."""
+        feats = [f.reshape(-1, f.shape[-1]) for f in features]
+        new = [f.shape[0] for f in feats]
+        if max(new) > self.rows_max:
+            return self.drafter.propose(self.target, bonus, feats, self.cache)
+        self.bonus.copy_(bonus)
+        if max(new) > 0:
+            padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+            self.feats[:, : padded.shape[1]].copy_(padded)
+        self.rows.cached_t.copy_(torch.tensor(self.cache.lengths))
+        self.rows.new_t.copy_(torch.tensor(new))
+        if not self.use_graph:
+            logits = self._step()
+        else:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            logits = self.logits
+        self.cache.lengths = [l + n for l, n in zip(self.cache.lengths, new)]
+        return logits
+
+    def _capture(self) -> None:
+        # Warm-up and capture write the same new rows into the cache as the replay that follows.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()

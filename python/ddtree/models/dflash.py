@@ -264,8 +264,12 @@ class DFlashDrafter(nn.Module):
         return (w.is_cuda and has_cuda_kernels() and w.dtype in (torch.bfloat16, torch.float16)
                 and head_dim in (64, 128, 256))
 
-    def new_cache(self, batch: int = 1) -> DraftCache:
-        return DraftCache([None] * len(self.layers), [0] * batch, self._use_fused())
+    def new_cache(self, batch: int = 1, capacity: int = 0) -> DraftCache:
+        """An empty context cache for `batch` requests, preallocated to `capacity` rows if > 0."""
+        cache = DraftCache([None] * len(self.layers), [0] * batch, self._use_fused())
+        if capacity > 0:
+            self.reserve(cache, batch, capacity)
+        return cache
 
     # generate_batch drafts all requests in one propose() call (features as a list)
     batched = True
@@ -287,13 +291,29 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"DFlashDrafter.propose: {b} bonus tokens, {len(feats)} feature rows "
                              f"and a cache of {len(cache.lengths)} requests must agree")
         new = [f.shape[0] for f in feats]
-        ctx = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True) if max(new) > 0 \
+        ctx_in = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True) if max(new) > 0 \
             else feats[0].new_zeros(b, 0, feats[0].shape[-1])
-        ctx = self.hidden_norm(self.fc(ctx.to(self.fc.weight.dtype)))
-        c = ctx.shape[1]
         rows = _ContextRows(list(cache.lengths), new, device)
-        cache.reserve(rows.span, lambda cap: ctx.new_zeros(b, self.layers[0].self_attn.num_kv_heads,
-                                                           cap, self.layers[0].self_attn.head_dim))
+        self.reserve(cache, b, rows.span)
+        logits = self.draft_block(target, bonus, ctx_in, rows, cache)
+        cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
+        return logits
+
+    def reserve(self, cache: DraftCache, batch: int, rows: int) -> None:
+        """Grows the context cache to at least `rows` rows (see DraftCache.reserve)."""
+        attn = self.layers[0].self_attn
+        cache.reserve(rows, lambda cap: self.fc.weight.new_zeros(batch, attn.num_kv_heads, cap,
+                                                                 attn.head_dim))
+
+    def draft_block(self, target, bonus: torch.Tensor, ctx_in: torch.Tensor, rows,
+                    cache: DraftCache) -> torch.Tensor:
+        """The device part of propose (no host reads): ctx_in [B, C, n*H] padded new feature rows,
+        rows.cached_t / rows.new_t [B] context lengths and valid new rows (device tensors), the
+        cache already large enough. Writes the new rows into the cache; returns the logits. With a
+        fused cache, rows may be static buffers (the step is then graph-capturable)."""
+        b, device = bonus.shape[0], bonus.device
+        ctx = self.hidden_norm(self.fc(ctx_in.to(self.fc.weight.dtype)))
+        c = ctx.shape[1]
         block = torch.full((b, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = bonus
         x = target.get_input_embeddings()(block).to(ctx.dtype)
@@ -304,6 +324,5 @@ class DFlashDrafter(nn.Module):
         rope_kv = self.rotary_emb(x, torch.cat([pos_ctx, pos_q], 1))
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], rows, cache.fused)
-        cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
         hidden = self.norm(x[:, 1:])
         return target.get_output_embeddings()(hidden.to(target.get_output_embeddings().weight.dtype))
