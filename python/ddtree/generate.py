@@ -160,7 +160,8 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     (ddtree.static_verify: no cache concatenation or crop per round); default on for targets on
     the tree_attention implementation whose attention the kernel covers, and for cuda_graph;
     cuda_graph: that step (hybrid Gated DeltaNet layers included) is captured once as a CUDA
-    graph and replayed.
+    graph and replayed, and so is the DFlash drafter's step when it runs on draft_attention
+    (static_verify.StaticDrafter; with static_cache alone it runs eagerly).
     Returns one GenerationResult per request; streamer(request, new_tokens)."""
     if mode not in MODES:
         raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
