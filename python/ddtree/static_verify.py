@@ -24,6 +24,24 @@ import torch
 from . import hf, hybrid, ops
 
 
+def capture_graph(step, prepare=lambda: None):
+    """Runs prepare(); step() twice on a side stream (lazy initialisations, library handles,
+    allocator pools), then captures step() into a CUDA graph. Returns (graph, step's outputs,
+    which every replay overwrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            prepare()
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    prepare()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 class StaticVerifier:
     """Owns the static cache and buffers of one generation and runs the target over a tree."""
 
@@ -84,17 +102,7 @@ class StaticVerifier:
                 layer.cumulative_length.fill_(phys)
 
     def _capture(self, phys: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: lazy inits, cuBLAS handles, allocator pools
-                self._set_start(phys)
-                self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        self._set_start(phys)
-        with torch.cuda.graph(self.graph):
-            self.outputs = self._forward()
+        self.graph, self.outputs = capture_graph(self._forward, lambda: self._set_start(phys))
 
     def run(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor, phys: int):
         """Verifies `tree` (rows [phys, phys + N) of the cache); returns (logits [B, N, V],
@@ -181,12 +189,4 @@ class StaticDrafter:
 
     def _capture(self) -> None:
         # Warm-up and capture write the same new rows into the cache as the replay that follows.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
+        self.graph, self.logits = capture_graph(self._step)
