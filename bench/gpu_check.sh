@@ -13,6 +13,14 @@ CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CAP}
 export CMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES:-${CAP/./}}
 status=0
+if ! "$PY" -c "import transformers, hypothesis, safetensors, pytest" 2>/dev/null; then
+  if [ -d wheelhouse ]; then  # made by bench/make_wheelhouse.sh, carried to the device
+    "$PY" -m pip install -q --no-index --find-links wheelhouse "transformers==5.18.0" hypothesis \
+      safetensors pytest tqdm > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; status=1; }
+  else
+    echo "gpu_check: transformers / hypothesis / safetensors / pytest missing and no wheelhouse/"
+  fi
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 if ! "$PY" setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then
