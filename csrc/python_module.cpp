@@ -25,4 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_emulator_max_dynamic_smem",
         [](size_t bytes) { ddtree::simt::options().max_dynamic_smem = bytes; });
   m.def("emulator_max_dynamic_smem", [] { return ddtree::simt::options().max_dynamic_smem; });
+  m.def("attention_splits",
+        [](int64_t requested, int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t max_keys,
+           int64_t sm_count) {
+          return ddtree::choose_attention_splits(
+              requested, batch, ddtree::attention_blocks_per_request(rows, hq, hkv), max_keys,
+              sm_count);
+        },
+        "Key splits the attention kernels use (requested 0 = automatic) for a launch shape");
 }

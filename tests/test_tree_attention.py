@@ -158,3 +158,19 @@ def test_per_request_prefix_length(backend):
     own = reference.tree_attention(q, k, v, past, visible, None, prefix)
     floor = 2 * torch.finfo(q.dtype).eps * truth.abs().max().item()
     assert (got.double() - truth).abs().max() <= 2 * (own.double() - truth).abs().max() + floor
+
+
+def test_automatic_split_plan():
+    """The documented rule (core/tree_attention.h): two blocks per SM, no split under 256 keys,
+    at most 64, gridDim.z = B * splits <= 65535; an explicit num_splits is kept (capped)."""
+    import ddtree
+
+    plan = ddtree._C.attention_splits
+    # (requested, B, rows, Hq, Hkv, max keys, SMs)
+    assert plan(0, 1, 7, 2, 1, 710, 8) == 2      # the emulated batch-1 test above: 16 by fill, 2 by keys
+    assert plan(0, 1, 65, 32, 8, 32833, 132) == 7  # H200, budget 64: 40 blocks -> ceil(264 / 40)
+    assert plan(0, 64, 65, 32, 8, 32833, 132) == 1  # the batch fills the GPU already
+    assert plan(0, 1, 65, 32, 8, 300, 132) == 1     # too few keys to split
+    assert plan(0, 1, 16, 1, 1, 10 ** 6, 132) == 64  # capped
+    assert plan(5, 1, 16, 1, 1, 100, 132) == 5      # explicit
+    assert plan(64, 2000, 16, 1, 1, 10 ** 6, 132) == 32  # 2000 * 32 <= 65535
