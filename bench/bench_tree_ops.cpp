@@ -114,7 +114,7 @@ int main() {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t j = 0; j < A; ++j) accepted[b * A + j] = j == 0 ? 0 : j * 3 + b % 3;
     CommitKvParams p = commit_params(B, H, S, D, A);
-    p.cache = cache.data();
+    p.caches[0] = cache.data();
     p.past_len = past.data();
     p.accepted = accepted.data();
     p.accept_len = len.data();

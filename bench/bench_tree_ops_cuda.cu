@@ -138,19 +138,37 @@ int main() {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t j = 0; j < A; ++j) accepted[b * A + j] = j == 0 ? 0 : j * 3 + b % 3;
     CommitKvParams g = commit_params(B, H, S, D, A);
-    g.cache = upload(cache);
+    g.caches[0] = upload(cache);
     g.past_len = upload(past);
     g.accepted = upload(accepted);
     g.accept_len = upload(len);
     CommitKvParams p = commit_params(B, H, S, D, A);
-    p.cache = cache.data();
+    p.caches[0] = cache.data();
     p.past_len = past.data();
     p.accepted = accepted.data();
     p.accept_len = len.data();
     cpu::commit_kv_slices(p, 0, B * H);
     if (gpu::launch_commit_kv(g, nullptr) != 0) return fail("commit_kv launch");
-    if (download(static_cast<uint16_t*>(g.cache), cache.size()) != cache) return fail("commit_kv_");
+    if (download(static_cast<uint16_t*>(g.caches[0]), cache.size()) != cache) return fail("commit_kv_");
     std::printf("commit_kv_: %8.2f us\n", time_us([&] { gpu::launch_commit_kv(g, nullptr); }));
+    // commit_kv_layers_: the K and V of 32 layers (64 caches of [16, 8, 512, 128]) in one launch
+    // against 64 launches of commit_kv_.
+    CommitKvParams many = commit_params(B, H, 512, D, A), one = many;
+    std::vector<int64_t> past_small(B, 300);
+    many.past_len = one.past_len = upload(past_small);
+    many.accepted = one.accepted = g.accepted;
+    many.accept_len = one.accept_len = g.accept_len;
+    many.num_caches = 64;
+    for (int i = 0; i < 64; ++i) cudaMalloc(&many.caches[i], B * H * 512 * D * 2);
+    const double t_many = time_us([&] { gpu::launch_commit_kv(many, nullptr); });
+    const double t_each = time_us([&] {
+      for (int i = 0; i < 64; ++i) {
+        one.caches[0] = many.caches[i];
+        gpu::launch_commit_kv(one, nullptr);
+      }
+    });
+    std::printf("64 caches: one launch %8.2f us, 64 launches %8.2f us\n", t_many, t_each);
+    for (int i = 0; i < 64; ++i) cudaFree(many.caches[i]);
   }
   std::printf("\n== tree_gated_delta_rule / tree_causal_conv1d (budget 64, Dk = Dv = 128, W = 4) ==\n");
   {

@@ -47,6 +47,9 @@ void define_public_ops(torch::Library& m) {
   m.def(
       "commit_kv_(Tensor(a!) cache, Tensor past_len, Tensor accepted, Tensor accept_len, "
       "str layout=\"BHSD\", Tensor? dst_len=None) -> ()");
+  m.def(
+      "commit_kv_layers_(Tensor(a!)[] caches, Tensor past_len, Tensor accepted, Tensor accept_len, "
+      "str layout=\"BHSD\", Tensor? dst_len=None) -> ()");
 }
 
 }  // namespace

@@ -400,3 +400,36 @@ def test_commit_kv_to_a_per_request_destination(backend):
     assert torch.equal(moved.cpu(), expected)
     with pytest.raises(RuntimeError, match=r"dst_len must be in \[0, past_len\]"):
         torch.ops.ddtree.commit_kv_(cache, past, accepted, lengths, "BHSD", past + 1)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("count", [1, 6, 130])  # 130 > 128: two launches
+def test_commit_kv_layers_equals_commit_kv_on_each_cache(backend, count):
+    """The K and V of many layers in one call (one launch per 128 caches), each cache compacted
+    exactly as the reference does it, per-request destinations included."""
+    cache, past, accepted, lengths = random_commit_case(5, "BHSD", torch.bfloat16)
+    past = torch.full((3,), 20)
+    dst = torch.tensor([20, 9, 0])
+    g = torch.Generator().manual_seed(count)
+    caches = [torch.randn(cache.shape, generator=g).to(cache.dtype) for _ in range(count)]
+    expected = [reference.commit_kv(c, past, accepted, lengths, "BHSD", dst) for c in caches]
+    dev = device_for(backend)
+    moved = [c.to(dev) for c in caches]
+    ops_for(backend).commit_kv_layers_(moved, past.to(dev), accepted.to(dev), lengths.to(dev),
+                                       "BHSD", dst.to(dev))
+    for got, want in zip(moved, expected):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_commit_kv_layers_opcheck_and_bad_input():
+    cache, past, accepted, lengths = random_commit_case(0, "BHSD", torch.float32)
+    for namespace in ("ddtree", "ddtree_emu"):
+        op = getattr(torch.ops, namespace).commit_kv_layers_
+        torch.library.opcheck(op.default, ([cache.clone(), cache.clone()], past, accepted, lengths))
+    op = torch.ops.ddtree.commit_kv_layers_
+    with pytest.raises(RuntimeError, match="caches must hold at least one tensor"):
+        op([], past, accepted, lengths)
+    with pytest.raises(RuntimeError, match=r"caches\[1\] must have the shape, strides and dtype"):
+        op([cache, cache.double()], past, accepted, lengths)
+    with pytest.raises(RuntimeError, match=r"caches\[1\] must have the shape, strides and dtype"):
+        op([cache, cache[:, :, :-1]], past, accepted, lengths)

@@ -8,8 +8,12 @@
 
 namespace ddtree {
 
+// Caches one launch compacts (commit_kv_layers_: the K and V of every layer; more go in chunks).
+inline constexpr int kMaxCommitCaches = 128;
+
 struct CommitKvParams {
-  void* cache = nullptr;   // [B, H, S, D] or [B, S, H, D]: element strides below, D contiguous
+  void* caches[kMaxCommitCaches] = {};  // num_caches caches of one shape, dtype and strides:
+  int num_caches = 1;                   // [B, H, S, D] or [B, S, H, D], D contiguous
   int elem_bytes = 2;      // 2, 4 or 8 (the copy is dtype-agnostic)
   int64_t batch = 0, heads = 0, seq = 0, dim = 0;
   int64_t stride_b = 0, stride_h = 0, stride_s = 0;

@@ -22,10 +22,10 @@ void verify_greedy_requests(const VerifyGreedyParams& p, int64_t b_begin, int64_
 }
 
 void commit_kv_slices(const CommitKvParams& p, int64_t begin, int64_t end) {
-  char* cache = static_cast<char*>(p.cache);
   const size_t row_bytes = static_cast<size_t>(p.dim) * p.elem_bytes;
   for (int64_t slice = begin; slice < end; ++slice) {
-    const int64_t b = slice / p.heads, h = slice % p.heads;
+    char* cache = static_cast<char*>(p.caches[slice / (p.batch * p.heads)]);
+    const int64_t b = slice / p.heads % p.batch, h = slice % p.heads;
     const int64_t past = p.past_len[b], dst = kv_destination(p, b);
     const int64_t* path = p.accepted + b * p.width;
     for (int64_t j = 0; j < p.accept_len[b]; ++j) {

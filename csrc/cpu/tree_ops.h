@@ -10,7 +10,7 @@ namespace ddtree::cpu {
 
 void build_tree_requests(const BuildTreeParams& p, int64_t b_begin, int64_t b_end);
 void verify_greedy_requests(const VerifyGreedyParams& p, int64_t b_begin, int64_t b_end);
-// Slices [begin, end) of the flattened [B * H] (request, head) space.
+// Slices [begin, end) of the flattened [num_caches * B * H] (cache, request, head) space.
 void commit_kv_slices(const CommitKvParams& p, int64_t begin, int64_t end);
 
 }  // namespace ddtree::cpu

@@ -41,7 +41,7 @@ __global__ void verify_greedy_kernel(const VerifyGreedyParams p) {
 template <class elem_t>
 __global__ void commit_kv_kernel(const CommitKvParams p) {
   const int64_t h = blockIdx.x, b = blockIdx.y;
-  elem_t* cache = static_cast<elem_t*>(p.cache);
+  elem_t* cache = static_cast<elem_t*>(p.caches[blockIdx.z]);
   const int64_t past = p.past_len[b], dst = kv_destination(p, b), len = p.accept_len[b];
   const int64_t* path = p.accepted + b * p.width;
   for (int64_t j = 0; j < len; ++j) {
@@ -75,8 +75,9 @@ int launch_verify_greedy(const VerifyGreedyParams& p, void* stream) {
 }
 
 int launch_commit_kv(const CommitKvParams& p, void* stream) {
-  if (p.batch == 0 || p.heads == 0 || p.dim == 0) return 0;
-  const dim3 grid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
+  if (p.batch == 0 || p.heads == 0 || p.dim == 0 || p.num_caches == 0) return 0;
+  const dim3 grid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch),
+                  static_cast<unsigned>(p.num_caches));
   const dim3 block(p.dim >= 128 ? 128 : 32);
   switch (p.elem_bytes) {
     case 2: return launch_kernel(commit_kv_kernel<uint16_t>, grid, block, 0, stream, p);

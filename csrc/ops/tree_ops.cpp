@@ -1,6 +1,8 @@
 // ATen adapters of build_tree, verify_greedy and commit_kv_ (SPEC §3, §5, §6).
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include <limits>
 #include <string>
 #include <tuple>
@@ -164,13 +166,15 @@ void check_commit_values(const char* op, const Tensor& past, const Tensor& accep
   }
 }
 
+// Compacts every cache of `caches` (one shape, dtype and strides) along the accepted paths.
 template <Backend kBackend>
-void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accepted,
-                const Tensor& accept_len, c10::string_view layout,
-                const c10::optional<Tensor>& dst_len) {
-  constexpr const char* op = "commit_kv_";
+void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len,
+                   const Tensor& accepted, const Tensor& accept_len, c10::string_view layout,
+                   const c10::optional<Tensor>& dst_len) {
   TORCH_CHECK(layout == "BHSD" || layout == "BSHD", op, ": layout must be \"BHSD\" or \"BSHD\", got \"",
               std::string(layout), "\"");
+  TORCH_CHECK(!caches.empty(), op, ": caches must hold at least one tensor");
+  const Tensor& cache = caches[0];
   TORCH_CHECK(cache.dim() == 4, op, ": cache must be a 4-D tensor [B, H, S, D] or [B, S, H, D], got ",
               cache.sizes());
   const int64_t elem = static_cast<int64_t>(cache.element_size());
@@ -178,6 +182,14 @@ void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accep
               ": cache must be float16, bfloat16, float32 or float64, got ", cache.scalar_type());
   TORCH_CHECK(cache.stride(3) == 1 || cache.size(3) <= 1, op,
               ": cache's last (head_dim) dimension must be contiguous");
+  for (size_t i = 1; i < caches.size(); ++i) {
+    TORCH_CHECK(caches[i].sizes() == cache.sizes() && caches[i].strides() == cache.strides() &&
+                    caches[i].scalar_type() == cache.scalar_type(),
+                op, ": caches[", i, "] must have the shape, strides and dtype of caches[0] (",
+                cache.sizes(), ", ", cache.scalar_type(), "), got ", caches[i].sizes(), ", ",
+                caches[i].scalar_type());
+    check_same_device(op, "caches", caches[i], cache);
+  }
   const bool heads_first = layout == "BHSD";
   const int64_t B = cache.size(0), H = cache.size(heads_first ? 1 : 2);
   const int64_t S = cache.size(heads_first ? 2 : 1), D = cache.size(3);
@@ -206,7 +218,6 @@ void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accep
                   ": dst_len must be in [0, past_len] for every request");
   }
   CommitKvParams p;
-  p.cache = cache.data_ptr();
   p.elem_bytes = static_cast<int>(elem);
   p.batch = B;
   p.heads = H;
@@ -220,7 +231,26 @@ void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accep
   p.accept_len = len.data_ptr<int64_t>();
   p.dst_len = dst.defined() ? dst.data_ptr<int64_t>() : nullptr;
   p.width = path.size(1);
-  run_op<kBackend>(op, kCommitKernels, p, cache, B * H, 4);
+  for (size_t first = 0; first < caches.size(); first += kMaxCommitCaches) {
+    p.num_caches = static_cast<int>(std::min<size_t>(kMaxCommitCaches, caches.size() - first));
+    for (int i = 0; i < p.num_caches; ++i) p.caches[i] = caches[first + i].data_ptr();
+    run_op<kBackend>(op, kCommitKernels, p, cache, p.num_caches * B * H, 4);
+  }
+}
+
+template <Backend kBackend>
+void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accepted,
+                const Tensor& accept_len, c10::string_view layout,
+                const c10::optional<Tensor>& dst_len) {
+  commit_caches<kBackend>("commit_kv_", {cache}, past_len, accepted, accept_len, layout, dst_len);
+}
+
+template <Backend kBackend>
+void commit_kv_layers_(at::TensorList caches, const Tensor& past_len, const Tensor& accepted,
+                       const Tensor& accept_len, c10::string_view layout,
+                       const c10::optional<Tensor>& dst_len) {
+  commit_caches<kBackend>("commit_kv_layers_", caches, past_len, accepted, accept_len, layout,
+                          dst_len);
 }
 
 template <Backend kBackend>
@@ -228,6 +258,7 @@ void register_impls(torch::Library& m) {
   m.impl("build_tree", &build_tree<kBackend>);
   m.impl("verify_greedy", &verify_greedy<kBackend>);
   m.impl("commit_kv_", &commit_kv_<kBackend>);
+  m.impl("commit_kv_layers_", &commit_kv_layers_<kBackend>);
 }
 
 }  // namespace

@@ -73,6 +73,10 @@ def _register(namespace: str) -> None:
     def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD", dst_len=None):
         return None
 
+    @torch.library.register_fake(f"{namespace}::commit_kv_layers_")
+    def _commit_kv_layers(caches, past_len, accepted, accept_len, layout="BHSD", dst_len=None):
+        return None
+
 
 for _ns in ("ddtree", "ddtree_emu"):
     _register(_ns)

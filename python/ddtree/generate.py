@@ -60,6 +60,14 @@ def _check_target(target) -> bool:
     return False
 
 
+def _same_layout(tensors):
+    """The tensors grouped by (shape, strides, dtype), order kept: commit_kv_layers_ batches."""
+    groups = {}
+    for t in tensors:
+        groups.setdefault((tuple(t.shape), t.stride(), t.dtype), []).append(t)
+    return list(groups.values())
+
+
 def _static_path_available(target) -> bool:
     """The static verify path needs the tree_attention op for the target's attention layers."""
     if not hf.uses_tree_attention(target):
@@ -296,12 +304,11 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
         start = torch.full((batch,), phys, dtype=torch.long, device=device)
         new_valid = valid + verdict.accept_len
         new_phys = max(v + a for v, a in zip(valid_h, accept_len))
-        for layer in cache.layers:
-            if getattr(layer, "keys", None) is None:
-                continue
-            ops.commit_kv_(layer.keys, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
-            ops.commit_kv_(layer.values, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
-            if verifier is None and phys + n > new_phys:
+        attention = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+        for group in _same_layout([t for layer in attention for t in (layer.keys, layer.values)]):
+            ops.commit_kv_layers_(group, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
+        if verifier is None and phys + n > new_phys:
+            for layer in attention:
                 layer.crop(-(phys + n - new_phys))
         if is_hybrid:
             hybrid.commit(cache, tree_pass, verdict)

@@ -1,7 +1,7 @@
 """Typed wrappers over ``torch.ops.ddtree.*`` (schemas live in csrc/registration.cpp)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -133,6 +133,19 @@ def commit_kv_(
     (dst = dst_len[b] when given, else past_len[b]). layout "BHSD" ([B, H, S, D]) or "BSHD"; the
     caller then sets each request's length to dst + accept_len."""
     torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout, dst_len)
+
+
+def commit_kv_layers_(
+    caches: Sequence[torch.Tensor],
+    past_len: torch.Tensor,
+    accepted: torch.Tensor,
+    accept_len: torch.Tensor,
+    layout: str = "BHSD",
+    dst_len: Optional[torch.Tensor] = None,
+) -> None:
+    """commit_kv_ on many caches of one shape, dtype and strides (the K and V of every attention
+    layer) in one op call and one launch per 128 caches."""
+    torch.ops.ddtree.commit_kv_layers_(list(caches), past_len, accepted, accept_len, layout, dst_len)
 
 
 def tree_topk(logits: torch.Tensor, k: int):
