@@ -130,13 +130,23 @@ def test_streaming_and_statistics():
     assert got.tokens_per_second > 0
 
 
-def test_sampling_mode_runs_and_is_reproducible():
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-verify-step"])
+def test_sampling_mode_runs_and_is_reproducible(static):
+    from ddtree import hf
+
     target = tiny_target()
+    if static:
+        hf.use_tree_attention(target)
     drafter = tiny_drafter()
     ids = torch.tensor([PROMPTS[0]])
-    a = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4)
-    b = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4)
+    a = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4,
+                 static_cache=static)
+    b = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4,
+                 static_cache=static)
+    c = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=5,
+                 static_cache=static)
     assert a.tokens == b.tokens and len(a.tokens) == 12
+    assert c.tokens != a.tokens  # the seed matters
 
 
 # ---- the DFlash checkpoint format ----
