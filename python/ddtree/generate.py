@@ -230,7 +230,8 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     static_drafter = None
     if not speculative:
         draft_caches = None
-    elif batched_drafter and static_cache and drafter.new_cache().fused:
+    elif (batched_drafter and static_cache and hasattr(drafter, "draft_block")
+          and getattr(drafter.new_cache(), "fused", False)):
         from .static_verify import StaticDrafter
 
         static_drafter = StaticDrafter(drafter, target, batch, phys + max_new_tokens + 2 * (depth + 1),
