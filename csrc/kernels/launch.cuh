@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <tuple>
 #include <utility>
 
@@ -44,6 +46,25 @@ inline constexpr int cudaSuccess = 0;
 namespace ddtree {
 namespace DDTREE_KERNEL_NS {
 
+#if !defined(DDTREE_EMULATE)
+// Opts `kernel` in to `bytes` of dynamic shared memory (> 48 KiB) on the current device, once per
+// (device, kernel, size): the attribute call is not repeated on every launch.
+inline int allow_dynamic_smem(const void* kernel, size_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, size_t> allowed;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& have = allowed[{device, kernel}];
+  if (have >= bytes) return 0;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  have = bytes;
+  return 0;
+}
+#endif
+
 // Launches `kernel` on `stream` (ignored when emulated). Returns the launch status as an int
 // (cudaError_t); the emulator reports problems by throwing simt::Error.
 template <class... P, class... A>
@@ -59,10 +80,8 @@ inline int launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t sme
       [&](auto&... p) {
         void* argv[] = {static_cast<void*>(&p)...};
         if (smem > 48 * 1024) {
-          cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem));
-          if (e != cudaSuccess) return static_cast<int>(e);
+          const int e = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+          if (e != 0) return e;
         }
         return static_cast<int>(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid,
                                                  block, argv, smem,
