@@ -63,7 +63,6 @@ def run(batch, vocab, budget, repeats, chunk):
                ref_topk_ms=1e3 * t_ref_topk, ref_heap_ms=1e3 * t_ref_heap)
     row["end_to_end_speedup"] = (t_ref_topk + t_ref_heap) / (t_ours_topk + t_ours_heap)
     row["heap_speedup"] = t_ref_heap / t_ours_heap
-    del logits
     return row
 
 
