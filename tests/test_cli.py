@@ -62,6 +62,21 @@ def test_bench_compares_modes_and_plots(model_dirs, tmp_path, capsys):
     assert "speed-up" in capsys.readouterr().out
 
 
+def test_bench_in_batches(model_dirs, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3\nw9 w8\nw4\n")
+    rc = cli.main(["bench", "--target", str(model_dirs / "target"), "--draft",
+                   str(model_dirs / "draft"), "--prompts", str(prompts), "--max-new-tokens", "8",
+                   "--budget", "8", "--batch-size", "2", "--json", str(tmp_path / "b.json")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert [r["batch_size"] for r in rows] == [2, 2, 2]
+    assert all(r["tokens"] == 3 * 8 for r in rows)  # no stop token in the tiny vocabulary
+    with pytest.raises(SystemExit, match="--batch-size must be >= 1"):
+        cli.main(["bench", "--target", str(model_dirs / "target"), "--draft",
+                  str(model_dirs / "draft"), "--prompts", str(prompts), "--batch-size", "0"])
+
+
 def test_generate_requires_a_draft_for_tree_mode(model_dirs):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--target", str(model_dirs / "target"), "--prompt", "w1"])
