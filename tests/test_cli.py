@@ -80,3 +80,13 @@ def test_bench_in_batches(model_dirs, tmp_path, capsys):
 def test_generate_requires_a_draft_for_tree_mode(model_dirs):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--target", str(model_dirs / "target"), "--prompt", "w1"])
+
+
+def test_demo_runs_and_is_lossless(capsys):
+    """`make demo`'s main job: every mode on the embedded default emits the greedy tokens."""
+    from ddtree import demo
+
+    demo.main()
+    out = capsys.readouterr().out
+    assert "lossless: every mode == autoregressive greedy tokens: True" in out
+    assert "tree + tree_attention" in out
