@@ -37,6 +37,10 @@ void define_public_ops(torch::Library& m) {
       "commit_recurrent_(Tensor(a!) state, Tensor(b!) conv_state, Tensor slots, Tensor k, "
       "Tensor v, Tensor g, Tensor beta, Tensor conv_x, Tensor accepted, Tensor accept_len) -> ()");
   m.def(
+      "commit_recurrent_layers_(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor slots, "
+      "Tensor[] k, Tensor[] v, Tensor[] g, Tensor[] beta, Tensor[] conv_x, Tensor accepted, "
+      "Tensor accept_len) -> ()");
+  m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor past_len, Tensor packed, "
       "float? scale=None, Tensor? prefix_len=None, int? num_splits=None) -> Tensor");
   m.def(

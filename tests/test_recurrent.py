@@ -305,3 +305,33 @@ def test_bad_input():
     c[9] = torch.tensor([2, 12])
     with pytest.raises(RuntimeError, match=r"accept_len\[1\] = 12 must be in \[0, 9\]"):
         torch.ops.ddtree.commit_recurrent_(*c)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_commit_recurrent_layers_commits_every_layer_like_the_reference(backend):
+    """One op call for three layers (different states, conv pools and saved tensors, shared paths):
+    each layer equals reference.commit_recurrent on its own inputs."""
+    cases = [commit_case(seed, (3, 6)) for seed in (2, 3, 4)]
+    dev = "cpu" if backend == "cpu" else kernel_device(backend)
+    states = [c[0].clone().to(dev) for c in cases]
+    convs = [c[1].clone().to(dev) for c in cases]
+    slots, accepted, lengths = cases[0][2], cases[0][8], cases[0][9]
+    lists = [[c[i].to(dev) for c in cases] for i in (3, 4, 5, 6, 7)]  # k, v, g, beta, conv_x
+    ops_for(backend).commit_recurrent_layers_(states, convs, slots.to(dev), *lists,
+                                              accepted.to(dev), lengths.to(dev))
+    for c, st, cs in zip(cases, states, convs):
+        ref_state, ref_conv = reference.commit_recurrent(c[0], c[1], slots, c[3], c[4], c[5], c[6],
+                                                         c[7], accepted, lengths)
+        torch.testing.assert_close(st.cpu(), ref_state, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cs.cpu(), ref_conv, rtol=0, atol=0)
+
+
+def test_commit_recurrent_layers_opcheck_and_bad_input():
+    state, conv_state, slots, k, v, gate, beta, conv_x, accepted, lengths, _ = commit_case(5, (2, 4))
+    for namespace in ("ddtree", "ddtree_emu"):
+        op = getattr(torch.ops, namespace).commit_recurrent_layers_
+        torch.library.opcheck(op.default, ([state.clone()], [conv_state.clone()], slots, [k], [v],
+                                           [gate], [beta], [conv_x], accepted, lengths))
+    with pytest.raises(RuntimeError, match="v holds 2 tensors, states holds 1"):
+        torch.ops.ddtree.commit_recurrent_layers_([state], [conv_state], slots, [k], [v, v], [gate],
+                                                  [beta], [conv_x], accepted, lengths)

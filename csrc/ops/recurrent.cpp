@@ -285,11 +285,29 @@ void commit_recurrent_(const Tensor& state, const Tensor& conv_state, const Tens
   run_op<kBackend>(op, kCommitKernels, p, k, B, 1);
 }
 
+// commit_recurrent_ for every GDN layer of a model in one op call (the lists run in parallel:
+// entry i of each is layer i's state pool, conv pool and saved verify-pass tensors).
+template <Backend kBackend>
+void commit_recurrent_layers_(at::TensorList states, at::TensorList conv_states, const Tensor& slots,
+                              at::TensorList k, at::TensorList v, at::TensorList g,
+                              at::TensorList beta, at::TensorList conv_x, const Tensor& accepted,
+                              const Tensor& accept_len) {
+  const size_t layers = states.size();
+  for (const auto& [name, list] : {std::pair<const char*, at::TensorList>{"conv_states", conv_states},
+                                   {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"conv_x", conv_x}})
+    TORCH_CHECK(list.size() == layers, "commit_recurrent_layers_: ", name, " holds ", list.size(),
+                " tensors, states holds ", layers, " (one entry per layer in every list)");
+  for (size_t i = 0; i < layers; ++i)
+    commit_recurrent_<kBackend>(states[i], conv_states[i], slots, k[i], v[i], g[i], beta[i],
+                                conv_x[i], accepted, accept_len);
+}
+
 template <Backend kBackend>
 void register_impls(torch::Library& m) {
   m.impl("tree_causal_conv1d", &tree_causal_conv1d<kBackend>);
   m.impl("tree_gated_delta_rule", &tree_gated_delta_rule<kBackend>);
   m.impl("commit_recurrent_", &commit_recurrent_<kBackend>);
+  m.impl("commit_recurrent_layers_", &commit_recurrent_layers_<kBackend>);
 }
 
 }  // namespace

@@ -58,6 +58,11 @@ def _register(namespace: str) -> None:
     def _commit_recurrent(state, conv_state, slots, k, v, g, beta, conv_x, accepted, accept_len):
         return None
 
+    @torch.library.register_fake(f"{namespace}::commit_recurrent_layers_")
+    def _commit_recurrent_layers(states, conv_states, slots, k, v, g, beta, conv_x, accepted,
+                                 accept_len):
+        return None
+
     @torch.library.register_fake(f"{namespace}::tree_attention")
     def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None, prefix_len=None,
                         num_splits=None):

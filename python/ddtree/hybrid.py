@@ -93,9 +93,13 @@ def tree_verification(model, tree_pass: TreePass):
 
 
 def commit(cache, tree_pass: TreePass, verdict: ops.GreedyVerdict) -> None:
-    """Conv windows and recurrent states of every GDN layer move along the accepted path."""
-    for layer_idx, (mixed, k, v, g, beta) in tree_pass.saved.items():
-        layer = cache.layers[layer_idx]
-        slots = torch.arange(k.shape[0], device=k.device)
-        ops.commit_recurrent_(layer.recurrent_states[0], layer.conv_states[0], slots, k, v, g, beta,
-                              mixed, verdict.accepted, verdict.accept_len)
+    """Conv windows and recurrent states of every GDN layer move along the accepted path (one op
+    call for all layers)."""
+    if not tree_pass.saved:
+        return
+    idx = list(tree_pass.saved)
+    mixed, k, v, g, beta = (list(t) for t in zip(*(tree_pass.saved[i] for i in idx)))
+    slots = torch.arange(k[0].shape[0], device=k[0].device)
+    ops.commit_recurrent_layers_([cache.layers[i].recurrent_states[0] for i in idx],
+                                 [cache.layers[i].conv_states[0] for i in idx], slots, k, v, g, beta,
+                                 mixed, verdict.accepted, verdict.accept_len)

@@ -200,6 +200,15 @@ def commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
                                        accept_len)
 
 
+def commit_recurrent_layers_(states, conv_states, slots, k, v, g, beta, conv_x, accepted,
+                             accept_len) -> None:
+    """commit_recurrent_ for many GDN layers in one op call: every argument but slots, accepted and
+    accept_len is a list with one entry per layer."""
+    torch.ops.ddtree.commit_recurrent_layers_(list(states), list(conv_states), slots, list(k),
+                                              list(v), list(g), list(beta), list(conv_x), accepted,
+                                              accept_len)
+
+
 def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None,
                    prefix_len: Optional[torch.Tensor] = None, num_splits: Optional[int] = None):
     """Verify-pass attention (no dense mask): q [B, N, Hq, D] of the tree rows; k_cache / v_cache
