@@ -2,6 +2,7 @@
 #include "core/recurrent.h"
 #include "kernels/launch.cuh"
 #include "kernels/launchers.h"
+#include "kernels/warp_reduce.cuh"
 
 namespace ddtree {
 namespace DDTREE_KERNEL_NS {
@@ -41,20 +42,6 @@ __device__ GdnSchedule gdn_schedule_smem(unsigned char* smem, int64_t n) {
   return s;
 }
 
-__device__ __forceinline__ float gdn_quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-__device__ __forceinline__ float gdn_block_sum(float v, float* red) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < kGdnWarps; ++w) total += red[w];
-  return total;
-}
-
 // The block loads k (and q) of (b, i, v-head h) into shared memory, l2-normalised as in
 // gdn_load_qk (q also divided by sqrt(Dk)); rows [Dk, kDk) are zero. Ends with a barrier.
 template <int kDk>
@@ -73,11 +60,9 @@ __device__ void gdn_load_qk_block(const TreeGdnParams& p, int64_t b, int64_t i, 
       sq += qv * qv;
     }
   }
-  const float rk = 1.f / sqrtf(gdn_block_sum(sk, red) + 1e-6f);
-  __syncthreads();
-  const float rq = qn ? 1.f / sqrtf(gdn_block_sum(sq, red + kGdnWarps) + 1e-6f) /
-                            sqrtf(static_cast<float>(p.dk))
-                      : 0.f;
+  const float rk = 1.f / sqrtf(block_sum<kGdnWarps>(sk, red) + 1e-6f);
+  const float rq =
+      qn ? 1.f / sqrtf(block_sum<kGdnWarps>(sq, red) + 1e-6f) / sqrtf(static_cast<float>(p.dk)) : 0.f;
   for (int d = threadIdx.x; d < kDk; d += kGdnThreads) {
     kn[d] *= rk;
     if (qn) qn[d] *= rq;
@@ -98,14 +83,14 @@ __device__ __forceinline__ float gdn_quad_step(float (&col)[kDk / kGdnLanes], co
     col[j] *= decay;
     kv += col[j] * kn[lane + kGdnLanes * j];
   }
-  const float delta = (v_dv - gdn_quad_sum(kv)) * beta;
+  const float delta = (v_dv - group_sum<kGdnLanes>(kv)) * beta;
   float o = 0.f;
   DDTREE_UNROLL
   for (int j = 0; j < kDk / kGdnLanes; ++j) {
     col[j] += kn[lane + kGdnLanes * j] * delta;
     if (qn) o += col[j] * qn[lane + kGdnLanes * j];
   }
-  return qn ? gdn_quad_sum(o) : 0.f;
+  return qn ? group_sum<kGdnLanes>(o) : 0.f;
 }
 
 // The quad's column from the committed state pool (zero rows past Dk, or for a column past Dv).
@@ -125,7 +110,7 @@ __device__ __forceinline__ void gdn_quad_load_pool(const TreeGdnParams& p, int64
 template <int kDk>
 __global__ void __launch_bounds__(kGdnThreads) tree_gdn_kernel(const TreeGdnParams p) {
   DDTREE_DYNAMIC_SMEM(unsigned char, smem);
-  __shared__ float qn[kDk], kn[kDk], red[2 * kGdnWarps];
+  __shared__ float qn[kDk], kn[kDk], red[kGdnWarps];
   constexpr int kPer = kDk / kGdnLanes;
   const int64_t h = blockIdx.x, b = blockIdx.y;
   const int lane = threadIdx.x % kGdnLanes;
@@ -172,7 +157,7 @@ __global__ void __launch_bounds__(kGdnThreads) tree_gdn_kernel(const TreeGdnPara
 // grid (Hv, B, ceil(Dv / kGdnColumns)): the committed state runs through the accepted path, in place.
 template <int kDk>
 __global__ void __launch_bounds__(kGdnThreads) commit_gdn_kernel(const TreeGdnParams p) {
-  __shared__ float kn[kDk], red[2 * kGdnWarps];
+  __shared__ float kn[kDk], red[kGdnWarps];
   constexpr int kPer = kDk / kGdnLanes;
   const int64_t h = blockIdx.x, b = blockIdx.y;
   const int lane = threadIdx.x % kGdnLanes;

@@ -14,28 +14,17 @@
 #include "kernels/launch.cuh"
 #include "kernels/launchers.h"
 #include "kernels/warp_mma.cuh"
+#include "kernels/warp_reduce.cuh"
 
 namespace ddtree {
 namespace DDTREE_KERNEL_NS {
 namespace {
-
-constexpr unsigned kWarp = 0xffffffffu;
 
 template <bool kBf16>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   const uint16_t a = kBf16 ? float_to_bf16_bits(lo) : float_to_half_bits(lo);
   const uint16_t b = kBf16 ? float_to_bf16_bits(hi) : float_to_half_bits(hi);
   return static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
-}
-
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(kWarp, v, 1));
-  return fmaxf(v, __shfl_xor_sync(kWarp, v, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(kWarp, v, 1);
-  return v + __shfl_xor_sync(kWarp, v, 2);
 }
 
 // Online-softmax state of one warp's 16 query rows: lane holds rows g (c = 0, 1) and g + 8
@@ -95,7 +84,7 @@ __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t*
   float rescale[2];
   DDTREE_UNROLL
   for (int half = 0; half < 2; ++half) {
-    const float mx = quad_max(row_max[half]);
+    const float mx = group_max<4>(row_max[half]);
     rescale[half] = (w.m[half] == -__builtin_inff()) ? 0.f : expf(w.m[half] - mx);
     w.m[half] = mx;
   }
@@ -109,7 +98,7 @@ __device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t*
       row_sum[half] += s[nt][c];
     }
   DDTREE_UNROLL
-  for (int half = 0; half < 2; ++half) w.l[half] = w.l[half] * rescale[half] + quad_sum(row_sum[half]);
+  for (int half = 0; half < 2; ++half) w.l[half] = w.l[half] * rescale[half] + group_sum<4>(row_sum[half]);
   DDTREE_UNROLL
   for (int dt = 0; dt < kD / 8; ++dt)
     DDTREE_UNROLL
@@ -245,6 +234,31 @@ __device__ __forceinline__ void pipeline_keys(KeyRange range, int chunk, Stage s
   }
 }
 
+// Stages the K / V rows of chunk [key0, key0 + kChunk) into buffer `buf`, 16 bytes per thread
+// step: keys below `loaded` are copied from k / v at element offset row(key) (cp.async when
+// `async`), keys at or past `end` are zeroed (masked, but must not be NaN), keys in between are
+// left to the caller. Commits the cp.async group.
+template <int kD, class Row>
+__device__ __forceinline__ void stage_kv_rows(const AttnTile<kD>& tile, int buf, int64_t key0,
+                                              int64_t loaded, int64_t end, const uint16_t* k,
+                                              const uint16_t* v, Row row, bool async) {
+  constexpr int kPieces = kD / 8;
+  for (int e = threadIdx.x; e < AttnTile<kD>::kChunk * kPieces; e += kAttnWarps * 32) {
+    const int64_t key = key0 + e / kPieces, col = e % kPieces * 8;
+    uint16_t* dk = tile.k[buf] + e / kPieces * kSmemStride<kD> + col;
+    uint16_t* dv = tile.v[buf] + e / kPieces * kSmemStride<kD> + col;
+    if (key < loaded) {
+      const int64_t at = row(key) + col;
+      copy8(dk, k + at, async);
+      copy8(dv, v + at, async);
+    } else if (key >= end) {
+      zero8(dk);
+      zero8(dv);
+    }
+  }
+  cp_async_commit();
+}
+
 template <int kD, bool kBf16, class Visible>
 __device__ __forceinline__ void attend_stage(const AttnTile<kD>& tile, const uint16_t* sq, int buf,
                                              int64_t key0, float scale, Visible visible,
@@ -302,20 +316,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const T
   WarpRows<kD> w;
   rows_init(w);
   pipeline_keys(range, kChunk, [&](int64_t key0, int buf) {
-    for (int e = threadIdx.x; e < kChunk * kD / 8; e += kAttnWarps * 32) {
-      const int64_t key = key0 + e / (kD / 8), col = e % (kD / 8) * 8;
-      uint16_t* dk = tile.k[buf] + e / (kD / 8) * kSmemStride<kD> + col;
-      uint16_t* dv = tile.v[buf] + e / (kD / 8) * kSmemStride<kD> + col;
-      if (key < range.end) {
-        const int64_t at = kv_base + key * p.kv_stride_s + col;
-        copy8(dk, k + at, async);
-        copy8(dv, v + at, async);
-      } else {
-        zero8(dk);
-        zero8(dv);
-      }
-    }
-    cp_async_commit();
+    stage_kv_rows(tile, buf, key0, range.end, range.end, k, v,
+                  [&](int64_t key) { return kv_base + key * p.kv_stride_s; }, async);
   }, [&](int64_t key0, int buf) {
     if (!item.active) return;
     attend_stage<kD, kBf16>(tile, sq, buf, key0, p.scale, [&](int r, int64_t key) {
@@ -379,7 +381,7 @@ __device__ void norm_rope_row_warp(const uint16_t* src, const float* w, float ep
     buf[j] = b16_to_float<kBf16>(src[j]);
     ss += buf[j] * buf[j];
   }
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(kWarp, ss, off);
+  ss = group_sum(ss);
   const float r = 1.f / sqrtf(ss / static_cast<float>(kD) + eps);
   for (int j = lane; j < kD; j += 32) buf[j] *= r * w[j];
   __syncwarp();
@@ -431,20 +433,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
   WarpRows<kD> w;
   rows_init(w);
   pipeline_keys(range, kChunk, [&](int64_t key0, int buf) {
-    for (int e = threadIdx.x; e < kChunk * kD / 8; e += kAttnWarps * 32) {
-      const int64_t key = key0 + e / (kD / 8), col = e % (kD / 8) * 8;
-      uint16_t* dk = tile.k[buf] + e / (kD / 8) * kSmemStride<kD> + col;
-      uint16_t* dv = tile.v[buf] + e / (kD / 8) * kSmemStride<kD> + col;
-      if (key < cached && key < range.end) {
-        const int64_t row = draft_cache_row(p, b, kh, key) + col;
-        copy8(dk, k_cache + row, async);
-        copy8(dv, v_cache + row, async);
-      } else if (key >= range.end) {
-        zero8(dk);
-        zero8(dv);
-      }
-    }
-    cp_async_commit();
+    stage_kv_rows(tile, buf, key0, cached < range.end ? cached : range.end, range.end, k_cache,
+                  v_cache, [&](int64_t key) { return draft_cache_row(p, b, kh, key); }, async);
     for (int c = warp; c < kChunk; c += kAttnWarps) {
       const int64_t key = key0 + c;
       if (key < cached || key >= range.end) continue;

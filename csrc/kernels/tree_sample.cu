@@ -3,6 +3,7 @@
 #include "core/tree_sample.h"
 #include "kernels/launch.cuh"
 #include "kernels/launchers.h"
+#include "kernels/warp_reduce.cuh"
 
 namespace ddtree {
 namespace DDTREE_KERNEL_NS {
@@ -21,16 +22,6 @@ struct SampleShared {
   u64 below;
   float fvalue;
 };
-
-__device__ u64 block_sum(u64 v, SampleShared& sh) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kAllLanes, v, off);
-  if (threadIdx.x % 32 == 0) sh.warp[threadIdx.x / 32] = v;
-  __syncthreads();
-  u64 total = 0;
-  for (int w = 0; w < kWarps; ++w) total += sh.warp[w];
-  __syncthreads();
-  return total;
-}
 
 __device__ u64 block_max_u64(u64 v, SampleShared& sh) {
   for (int off = 16; off > 0; off >>= 1) {
@@ -139,7 +130,7 @@ __device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t n
     const float z = sample_logit(p, b, node, v) / t;
     if (sample_value_key(z) >= keep_k) local += sample_weight(z, m);
   }
-  u64 total = block_sum(local, sh);
+  u64 total = block_sum<kWarps>(local, sh.warp);
   uint32_t keep = keep_k;
   if (total > 0 && p.top_p[b] < 1.f) {
     keep = select_top_p(p, b, node, t, m, keep_k, top_p_drop_mass(p.top_p[b], total), sh);
