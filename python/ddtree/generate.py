@@ -75,8 +75,7 @@ def _static_path_available(target) -> bool:
     weight = target.get_input_embeddings().weight
     cfg = target.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return weight.device.type == "cpu" or (weight.dtype in (torch.bfloat16, torch.float16)
-                                           and head_dim in (64, 128, 256))
+    return ops.attention_op_supports(weight.device, weight.dtype, head_dim)
 
 
 class _Sampler:

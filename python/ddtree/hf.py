@@ -13,7 +13,7 @@ import contextvars
 
 import torch
 
-from .ops import tree_attention
+from .ops import attention_op_supports, tree_attention
 
 NAME = "ddtree"
 # Per-request valid prefix lengths of a batched verify pass (rows between a request's length and
@@ -61,8 +61,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     start = _TREE_START.get()
     past = start if start is not None else torch.full((batch,), key.shape[2] - n, dtype=torch.long,
                                                       device=key.device)
-    kernel_ok = query.device.type == "cpu" or (
-        query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] in (64, 128, 256))
+    kernel_ok = attention_op_supports(query.device, query.dtype, query.shape[-1])
     prefix = _PREFIX_LEN.get()
     if kernel_ok:
         return tree_attention(query.transpose(1, 2), key, value, past, packed, scaling, prefix), None

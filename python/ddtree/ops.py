@@ -209,6 +209,18 @@ def commit_recurrent_layers_(states, conv_states, slots, k, v, g, beta, conv_x, 
                                               accept_len)
 
 
+def attention_op_supports(device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether tree_attention / draft_attention run for inputs on `device` with this dtype and
+    head_dim: the CPU path takes any float dtype and head_dim, the CUDA kernels (mma.sync) bf16 /
+    fp16 with head_dim 64, 128 or 256."""
+    if torch.device(device).type == "cpu":
+        return True
+    from . import has_cuda_kernels
+
+    return (has_cuda_kernels() and dtype in (torch.bfloat16, torch.float16)
+            and head_dim in (64, 128, 256))
+
+
 def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None,
                    prefix_len: Optional[torch.Tensor] = None, num_splits: Optional[int] = None):
     """Verify-pass attention (no dense mask): q [B, N, Hq, D] of the tree rows; k_cache / v_cache

@@ -68,6 +68,9 @@ class StaticVerifier:
             static.keys[:, :, : keys.shape[2]] = keys
             static.values[:, :, : values.shape[2]] = values
         self.is_hybrid = is_hybrid
+        # Write offsets of the attention layers (device scalars), all set per round in one launch.
+        self._offsets = [layer.cumulative_length for layer in self.cache.layers
+                         if hasattr(layer, "cumulative_length")]
         words = (n + 31) // 32
         self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
@@ -97,9 +100,8 @@ class StaticVerifier:
 
     def _set_start(self, phys: int) -> None:
         self.start.fill_(phys)
-        for layer in self.cache.layers:
-            if hasattr(layer, "cumulative_length"):  # attention layers (not the linear ones)
-                layer.cumulative_length.fill_(phys)
+        if self._offsets:
+            torch._foreach_copy_(self._offsets, [self.start[0]] * len(self._offsets))
 
     def _capture(self, phys: int) -> None:
         self.graph, self.outputs = capture_graph(self._forward, lambda: self._set_start(phys))

@@ -6,6 +6,7 @@ drafter has no embedding and no LM head: it uses the target's.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -85,9 +86,9 @@ class DFlashAttention(nn.Module):
         v = v.transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, *rope_q)
         k, _ = apply_rotary_pos_emb(k, k, *rope_kv)
-        rows, at = ctx_rows.scatter_index
-        cache_kv[0][rows, :, at] = k[rows, :, ctx_rows.scatter_src]
-        cache_kv[1][rows, :, at] = v[rows, :, ctx_rows.scatter_src]
+        (rows, at), src = ctx_rows.scatter
+        cache_kv[0][rows, :, at] = k[rows, :, src]
+        cache_kv[1][rows, :, at] = v[rows, :, src]
         span = ctx_rows.span
         keys = torch.cat([cache_kv[0][:, :, :span], k[:, :, c:]], 2)
         values = torch.cat([cache_kv[1][:, :, :span], v[:, :, c:]], 2)
@@ -107,13 +108,17 @@ class _ContextRows:
         self.cached_t = torch.tensor(cached, dtype=torch.long, device=device)
         self.new_t = torch.tensor(new, dtype=torch.long, device=device)
         self.span = max(c + n for c, n in zip(cached, new))  # cache rows any request sees
-        rows = [b for b, n in enumerate(new) for _ in range(n)]
-        src = [j for n in new for j in range(n)]
-        at = [cached[b] + j for b, j in zip(rows, src)]
-        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        self.scatter_index = (as_t(rows), as_t(at))
-        self.scatter_src = as_t(src)
         self.device = device
+
+    @functools.cached_property
+    def scatter(self):
+        """((request, cache row), new row) index tensors of every valid new row, for the unfused
+        path's cache write (the fused path never builds them)."""
+        rows = [b for b, n in enumerate(self.new) for _ in range(n)]
+        src = [j for n in self.new for j in range(n)]
+        at = [self.cached[b] + j for b, j in zip(rows, src)]
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return (as_t(rows), as_t(at)), as_t(src)
 
     def key_mask(self, block_rows: int) -> torch.Tensor:
         """[B, 1, 1, span + block_rows]: request b sees its cached + new rows and the block."""
@@ -257,12 +262,10 @@ class DFlashDrafter(nn.Module):
     def _use_fused(self) -> bool:
         if self.fused_attention != "auto":
             return bool(self.fused_attention)
-        from .. import has_cuda_kernels
+        from ..ops import attention_op_supports
 
         w = self.fc.weight
-        head_dim = self.layers[0].self_attn.head_dim
-        return (w.is_cuda and has_cuda_kernels() and w.dtype in (torch.bfloat16, torch.float16)
-                and head_dim in (64, 128, 256))
+        return w.is_cuda and attention_op_supports(w.device, w.dtype, self.layers[0].self_attn.head_dim)
 
     def new_cache(self, batch: int = 1, capacity: int = 0) -> DraftCache:
         """An empty context cache for `batch` requests, preallocated to `capacity` rows if > 0."""
