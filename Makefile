@@ -10,7 +10,7 @@ STAMP := $(VENV)/.ddtree-deps
 CMAKE_BUILD ?= build/cmake
 CUDA_HOME ?= $(shell test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda)
 
-.PHONY: all build test demo bench-cpp bench-cpu clean
+.PHONY: all build test demo embedded-pair bench-cpp bench-cpu clean
 
 all: build
 
@@ -27,6 +27,10 @@ test: build
 
 demo: build
 	PYTHONPATH=python $(VPY) -m ddtree.demo
+
+# Retrains the embedded target + DFlash drafter (python/ddtree/embedded_pair; ~35 min on 2 cores).
+embedded-pair: $(STAMP)
+	PYTHONPATH=python $(VPY) -m ddtree.embedded
 
 # C++ microbenchmarks (no libtorch): CPU targets always, CUDA targets when CMake finds nvcc.
 bench-cpp: $(STAMP)

@@ -129,9 +129,13 @@ setup(
     description="Tree speculative decoding for block-diffusion drafters (DDTree) as torch ops",
     package_dir={"": "python"},
     packages=["ddtree", "ddtree.models"],
+    # the embedded target + DFlash drafter pair (ddtree.embedded)
+    package_data={"ddtree": ["embedded_pair/*.json", "embedded_pair/*.jsonl",
+                             "embedded_pair/target/*", "embedded_pair/drafter/*"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     entry_points={"console_scripts": ["ddtree=ddtree.cli:main"]},
-    install_requires=["torch>=2.4", "numpy", "safetensors", "transformers>=5.2"],
+    install_requires=["torch>=2.4", "numpy", "safetensors", "transformers>=5.2", "tokenizers",
+                      "tqdm"],
 )

@@ -1,4 +1,4 @@
-// CPU microbenchmarks of tree_topk, build_tree, verify_greedy, verify_sample and commit_kv_
+// CPU microbenchmarks of tree_topk, chain_tree, build_tree, verify_greedy, verify_sample and commit_kv_
 // (one thread: the functions the op adapters run under at::parallel_for). Each output is checked
 // before timing.
 #include <cstring>
@@ -43,6 +43,42 @@ int main() {
             std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
           return fail("tree_topk");
       const double us = median_us([&] { cpu::tree_topk_rows(p, 0, rows); }, 5);
+      std::printf("%5lld %7lld | %10.1f %10.3f\n", static_cast<long long>(batch),
+                  static_cast<long long>(vocab), us, 1e3 * us / (rows * vocab));
+    }
+  }
+
+  std::printf("\n== chain_tree (L = 15: the argmax chain) ==\n%5s %7s | %10s %10s\n", "B", "V",
+              "us", "ns/logit");
+  for (int64_t batch : {1, 16}) {
+    for (int64_t vocab : {32000, 151936}) {
+      const int64_t rows = batch * 15;
+      std::vector<float> x = random_logits(rows, vocab, vocab + batch + 1);
+      std::vector<int64_t> roots(batch, 0), best(rows), out(5 * batch * 16 + batch);
+      std::vector<int32_t> nan(rows);
+      ChainTreeParams p;
+      p.logits = x.data();
+      p.batch = batch;
+      p.depth = 15;
+      p.vocab = vocab;
+      p.root_tokens = roots.data();
+      p.best = reinterpret_cast<uint64_t*>(best.data());
+      p.nan = nan.data();
+      p.node_tokens = out.data();
+      p.parents = out.data() + batch * 16;
+      p.depths = out.data() + 2 * batch * 16;
+      p.first_child = out.data() + 3 * batch * 16;
+      p.next_sibling = out.data() + 4 * batch * 16;
+      p.num_nodes = out.data() + 5 * batch * 16;
+      const auto run = [&] {
+        cpu::chain_tree_scan(p, 0, rows);
+        cpu::chain_tree_write(p, 0, batch);
+      };
+      run();
+      for (int64_t r = 0; r < rows; r += 7)
+        if (reference_topk_ids(x.data() + r * vocab, vocab, 1)[0] != out[(r / 15) * 16 + r % 15 + 1])
+          return fail("chain_tree");
+      const double us = median_us(run, 5);
       std::printf("%5lld %7lld | %10.1f %10.3f\n", static_cast<long long>(batch),
                   static_cast<long long>(vocab), us, 1e3 * us / (rows * vocab));
     }

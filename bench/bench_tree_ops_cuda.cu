@@ -1,4 +1,4 @@
-// CUDA microbenchmarks of tree_topk, build_tree, verify_greedy, verify_sample and commit_kv_:
+// CUDA microbenchmarks of tree_topk (whole rows and split rows), chain_tree, build_tree, verify_greedy, verify_sample and commit_kv_:
 // each kernel's output is compared with the CPU implementation, then timed with CUDA events.
 #include <cuda_runtime.h>
 
@@ -48,8 +48,63 @@ int main() {
             std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
           return fail("tree_topk");
       const double us = time_us([&] { gpu::launch_tree_topk(p, nullptr); });
-      std::printf("%5lld %7lld | %9.1f %9.0f\n", static_cast<long long>(batch),
-                  static_cast<long long>(vocab), us, rows * vocab * 4.0 / us / 1e3);
+      // The split form the op uses for few rows: parts blocks per row + a merge launch.
+      const int64_t parts = std::min<int64_t>(
+          {(2 * prop.multiProcessorCount + rows - 1) / rows, vocab / 4096, gpu::tree_topk_max_parts(k)});
+      double us_split = us;
+      if (parts > 1) {
+        TreeTopkParams q = p;
+        q.parts = parts;
+        cudaMalloc(&q.part_keys, rows * parts * k * 8);
+        cudaMalloc(&q.part_max, rows * parts * 4);
+        cudaMalloc(&q.part_sum, rows * parts * 4);
+        cudaMemset(dids, 0, rows * k * 8);
+        if (gpu::launch_tree_topk(q, nullptr) != 0) return fail("tree_topk split launch");
+        const std::vector<int64_t> split_ids = download(dids, rows * k);
+        if (split_ids != ids) return fail("tree_topk split");
+        us_split = time_us([&] { gpu::launch_tree_topk(q, nullptr); });
+        cudaFree(q.part_keys);
+        cudaFree(q.part_max);
+        cudaFree(q.part_sum);
+      }
+      std::printf("%5lld %7lld | %9.1f %9.0f | split %2lld: %7.1f us %6.0f GB/s\n",
+                  static_cast<long long>(batch), static_cast<long long>(vocab), us,
+                  rows * vocab * 4.0 / us / 1e3, static_cast<long long>(parts), us_split,
+                  rows * vocab * 4.0 / us_split / 1e3);
+      // chain_tree on the same logits: the argmax chain without the log-softmax.
+      ChainTreeParams c;
+      c.logits = dx;
+      c.batch = batch;
+      c.depth = 15;
+      c.vocab = vocab;
+      c.parts = std::max<int64_t>(1, std::min<int64_t>((2 * prop.multiProcessorCount + rows - 1) / rows,
+                                                      vocab / 4096));
+      int64_t* droots = nullptr;
+      cudaMalloc(&droots, batch * 8);
+      cudaMemset(droots, 0, batch * 8);
+      c.root_tokens = droots;
+      cudaMalloc(&c.best, rows * c.parts * 8);
+      cudaMalloc(&c.nan, rows * c.parts * 4);
+      int64_t* tree_out = nullptr;
+      cudaMalloc(&tree_out, 5 * batch * 16 * 8 + batch * 8);
+      c.node_tokens = tree_out;
+      c.parents = tree_out + batch * 16;
+      c.depths = tree_out + 2 * batch * 16;
+      c.first_child = tree_out + 3 * batch * 16;
+      c.next_sibling = tree_out + 4 * batch * 16;
+      c.num_nodes = tree_out + 5 * batch * 16;
+      if (gpu::launch_chain_tree(c, nullptr) != 0) return fail("chain_tree launch");
+      const std::vector<int64_t> chain = download(tree_out, batch * 16);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t d = 1; d <= 15; ++d)
+          if (chain[b * 16 + d] != ids[(b * 15 + d - 1) * k]) return fail("chain_tree");
+      const double us_chain = time_us([&] { gpu::launch_chain_tree(c, nullptr); });
+      std::printf("%5s %7s | chain_tree (%lld parts): %7.1f us %6.0f GB/s\n", "", "",
+                  static_cast<long long>(c.parts), us_chain, rows * vocab * 4.0 / us_chain / 1e3);
+      cudaFree(droots);
+      cudaFree(c.best);
+      cudaFree(c.nan);
+      cudaFree(tree_out);
       cudaFree(dx);
       cudaFree(dlp);
       cudaFree(dids);

@@ -15,6 +15,9 @@ void define_public_ops(torch::Library& m) {
       "Tensor? prefix_len=None) -> Tensor");
   m.def("tree_topk(Tensor logits, int k) -> (Tensor logprobs, Tensor ids)");
   m.def(
+      "chain_tree(Tensor logits, Tensor root_tokens) -> (Tensor node_tokens, Tensor parents, "
+      "Tensor depths, Tensor first_child, Tensor next_sibling, Tensor num_nodes)");
+  m.def(
       "build_tree(Tensor logprobs, Tensor ids, Tensor root_tokens, int budget, "
       "Tensor? budgets=None) -> (Tensor node_tokens, Tensor parents, Tensor depths, "
       "Tensor first_child, Tensor next_sibling, Tensor num_nodes)");

@@ -11,16 +11,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def golden_dir() -> Path:
-    """The published-reference golden vectors: ../shared/golden next to the checkout."""
+    """The published-reference golden vectors, copied into the repository (tests/data/golden, from
+    the team's shared/golden; DDTREE_GOLDEN_DIR points elsewhere)."""
     env = os.environ.get("DDTREE_GOLDEN_DIR")
     candidates = [Path(env)] if env else []
-    candidates += [ROOT.parent / "shared" / "golden", ROOT / "shared" / "golden"]
+    candidates += [ROOT / "tests" / "data" / "golden"]
     for path in candidates:
         if (path / "ddtree_reference_trees.json").exists():
             return path
     raise FileNotFoundError(
-        "golden vectors not found: expected ../shared/golden/ddtree_reference_trees.json next to "
-        "the repository (or set DDTREE_GOLDEN_DIR)"
+        "golden vectors not found: expected tests/data/golden/ddtree_reference_trees.json in the "
+        "repository (or set DDTREE_GOLDEN_DIR)"
     )
 
 

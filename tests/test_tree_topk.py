@@ -164,3 +164,119 @@ def test_cuda_large_vocabulary():
     logits = torch.randn(4, 15, 262144, generator=g).to(torch.bfloat16)
     check("cuda", logits, 1024)
     check("cuda", logits[:, :, :151936].contiguous(), 64)
+
+
+@pytest.mark.parametrize("threads", [3, 4, 16])
+def test_cpu_rows_split_over_threads(threads):
+    """Fewer rows than threads: each row is split into vocabulary ranges whose partial
+    log-sum-exps and top-k lists are merged — same ids and log-probs as one pass."""
+    g = torch.Generator().manual_seed(threads)
+    logits = torch.randn(1, 2, 70000, generator=g) * 3
+    special = logits.clone()
+    special[0, 0, 69999] = 50.0            # the max in the last range: rescaling on merge
+    special[0, 1, 20000:] = -math.inf      # later ranges hold nothing finite
+    nan_row = torch.randn(1, 1, 70000, generator=g)
+    nan_row[0, 0, 65000] = math.nan        # a NaN in one range only
+    inf_row = torch.randn(1, 1, 70000, generator=g)
+    inf_row[0, 0, 3] = math.inf
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x, k in ((logits, 64), (special, 1024), (nan_row, 5), (inf_row, 3)):
+            check("cpu", x, k)
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- chain_tree: the K = 1 tree straight from the logits ----
+
+def chain(backend, logits, roots):
+    if backend == "cpu":
+        out = torch.ops.ddtree.chain_tree(logits, roots)
+    else:
+        ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
+        dev = kernel_device(backend)
+        out = ops.chain_tree(logits.to(dev), roots.to(dev))
+    return tuple(t.cpu() for t in out)
+
+
+def check_chain(backend, logits, roots):
+    got = chain(backend, logits, roots)
+    want = reference.chain_tree(logits, roots)
+    for name, a, b in zip(ddtree.DraftTree._fields, got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 15, 300), (1, 3, 5000), (3, 1, 17), (1, 4, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_chain_tree_matches_the_reference(backend, dtype, shape):
+    b, l, v = shape
+    g = torch.Generator().manual_seed(v + l)
+    logits = (torch.randn(b, l, v, generator=g) * 3).to(dtype)
+    check_chain(backend, logits, torch.randint(0, v, (b,), generator=g))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_chain_tree_stops_at_the_first_depth_without_a_real_top_1(backend):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 6, 400, generator=g).round()  # exact ties: lower id wins
+    logits[0, 2, 123] = math.nan                          # chain of 2 nodes
+    logits[1, 0, :] = -math.inf                           # root only
+    logits[2, 4, 9] = math.inf                            # chain of 4
+    logits[3, 3, :] = math.nan                            # chain of 3
+    logits[4, :, 200:] = -math.inf                        # -inf tail: full chain
+    logits[4, 5, 0] = math.nan
+    roots = torch.tensor([1, 2, 3, 4, 5])
+    check_chain(backend, logits, roots)
+    assert chain(backend, logits, roots)[5].tolist() == [3, 1, 5, 4, 6]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_chain_tree_equals_draft_to_tree_with_k_1(threads):
+    g = torch.Generator().manual_seed(threads)
+    logits = torch.randn(1, 15, 40000, generator=g)
+    logits[0, 7, 39999] = 30.0  # the best in the last vocabulary range
+    roots = torch.tensor([5])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tree, vis = ddtree.chain_to_tree(logits, roots, start=torch.tensor([9]))
+        want, want_vis = ddtree.draft_to_tree(logits, roots, 15, start=torch.tensor([9]), k=1)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(tree + vis, want + want_vis):
+        assert torch.equal(a, b)
+    assert int(tree.node_tokens[0, 8]) == 39999
+
+
+@pytest.mark.parametrize("namespace", ["ddtree", "ddtree_emu"])
+def test_chain_tree_opcheck(namespace):
+    op = getattr(torch.ops, namespace).chain_tree.default
+    torch.library.opcheck(op, (torch.randn(2, 3, 100), torch.tensor([1, 2])))
+    torch.library.opcheck(op, (torch.randn(1, 15, 64).half(), torch.tensor([0], dtype=torch.int32)))
+
+
+def test_chain_tree_bad_input():
+    x = torch.randn(2, 3, 100)
+    roots = torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match=r"chain_tree: logits must be a 3-D tensor \[B, L, V\]"):
+        torch.ops.ddtree.chain_tree(x[0], roots)
+    with pytest.raises(RuntimeError, match="chain_tree: logits must be float32, bfloat16 or float16"):
+        torch.ops.ddtree.chain_tree(x.double(), roots)
+    with pytest.raises(RuntimeError, match=r"chain_tree: root_tokens must have shape \[B\]"):
+        torch.ops.ddtree.chain_tree(x, roots[:1])
+    with pytest.raises(RuntimeError, match="root_tokens"):
+        torch.ops.ddtree.chain_tree(x, roots.float())
+    with pytest.raises(RuntimeError, match=r"vocabulary size V must be in \[1, 2\^31\)"):
+        torch.ops.ddtree.chain_tree(torch.randn(1, 2, 0), roots[:1])
+    out = torch.ops.ddtree.chain_tree(torch.randn(0, 3, 10), roots[:0])
+    assert out[0].shape == (0, 4)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
+def test_chain_tree_cuda_large_vocabulary():
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(2, 15, 151936, generator=g).to(torch.bfloat16)
+    check_chain("cuda", logits, torch.tensor([3, 4]))

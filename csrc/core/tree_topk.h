@@ -13,6 +13,12 @@ struct TreeTopkParams {
   int64_t rows = 0, vocab = 0, k = 0;
   float* logprobs = nullptr;     // [rows, k]
   int64_t* ids = nullptr;        // [rows, k]
+  // GPU split of few long rows: parts > 1 blocks per row, each over a vocabulary range, write
+  // their best k keys (descending, 0-padded) and running (max, sum) here; a merge kernel finishes.
+  int64_t parts = 1;
+  uint64_t* part_keys = nullptr;  // [rows * parts, k]
+  float* part_max = nullptr;      // [rows * parts]
+  float* part_sum = nullptr;      // [rows * parts]
 };
 
 DDTREE_HOST_DEVICE float load_logit(const TreeTopkParams& p, int64_t row, int64_t v) {
@@ -56,5 +62,75 @@ DDTREE_HOST_DEVICE LseAccumulator lse_merge(LseAccumulator a, LseAccumulator b) 
 }
 
 DDTREE_HOST_DEVICE float lse_value(const LseAccumulator& a) { return a.m + logf(a.s); }
+
+
+// ---- chain_tree: the K = 1 tree (a DFlash chain) straight from the draft logits ----
+//
+// Equals build_tree(tree_topk(logits, 1), root, budget L): node d (1 <= d <= n) is the argmax of
+// depth d - 1 (ties -> lower id) under node d - 1, where n is the number of leading depths whose
+// top-1 log-prob is a real number: the row has no NaN and a finite maximum (a NaN or +inf makes
+// the log-sum-exp NaN / +inf, an all -inf row has no candidate). Rows n + 1 .. L are padding.
+struct ChainTreeParams {
+  const void* logits = nullptr;  // [B, L, V] contiguous
+  LogitsDtype dtype = LogitsDtype::kFloat32;
+  int64_t batch = 0, depth = 0, vocab = 0;
+  int64_t parts = 1;             // vocabulary ranges per row, scanned independently
+  const int64_t* root_tokens = nullptr;  // [B]
+  uint64_t* best = nullptr;      // [B * L * parts] workspace: best topk_key of each range (0 = none)
+  int32_t* nan = nullptr;        // [B * L * parts] workspace: 1 if the range holds a NaN
+  int64_t* node_tokens = nullptr;   // [B, L + 1]
+  int64_t* parents = nullptr;       // [B, L + 1]
+  int64_t* depths = nullptr;        // [B, L + 1]
+  int64_t* first_child = nullptr;   // [B, L + 1]
+  int64_t* next_sibling = nullptr;  // [B, L + 1]
+  int64_t* num_nodes = nullptr;     // [B]
+};
+
+// Vocabulary range [begin, end) of part `part` of a row.
+DDTREE_HOST_DEVICE void chain_part_range(const ChainTreeParams& p, int64_t part, int64_t& begin,
+                                         int64_t& end) {
+  const int64_t size = (p.vocab + p.parts - 1) / p.parts;
+  begin = part * size < p.vocab ? part * size : p.vocab;
+  end = begin + size < p.vocab ? begin + size : p.vocab;
+}
+
+// Number of valid leading depths of request b, from the workspace of every range.
+DDTREE_HOST_DEVICE int64_t chain_length(const ChainTreeParams& p, int64_t b) {
+  for (int64_t d = 0; d < p.depth; ++d) {
+    uint64_t best = 0;
+    int32_t nan = 0;
+    for (int64_t j = 0; j < p.parts; ++j) {
+      const int64_t at = (b * p.depth + d) * p.parts + j;
+      best = p.best[at] > best ? p.best[at] : best;
+      nan |= p.nan[at];
+    }
+    const float top = topk_key_value(best);
+    if (nan || best == 0 || !(top > -__builtin_inff() && top < __builtin_inff())) return d;
+  }
+  return p.depth;
+}
+
+// Row i of request b's outputs for a chain of n nodes below the root (num_nodes = n + 1).
+DDTREE_HOST_DEVICE void chain_write_row(const ChainTreeParams& p, int64_t b, int64_t i, int64_t n) {
+  const int64_t at = b * (p.depth + 1) + i;
+  int64_t token = 0;
+  if (i == 0) {
+    token = p.root_tokens[b];
+  } else if (i <= n) {
+    uint64_t best = 0;
+    for (int64_t j = 0; j < p.parts; ++j) {
+      const uint64_t key = p.best[(b * p.depth + i - 1) * p.parts + j];
+      best = key > best ? key : best;
+    }
+    token = topk_key_id(best);
+  }
+  const bool real = i <= n;
+  p.node_tokens[at] = token;
+  p.parents[at] = real && i > 0 ? i - 1 : -1;
+  p.depths[at] = real ? i : 0;
+  p.first_child[at] = real && i < n ? i + 1 : -1;
+  p.next_sibling[at] = -1;
+  if (i == 0) p.num_nodes[b] = n + 1;
+}
 
 }  // namespace ddtree

@@ -63,6 +63,16 @@ __device__ LseAccumulator block_lse(LseAccumulator a, LseAccumulator* partial) {
   return total;
 }
 
+// Vocabulary range of part `part` of a row (parts split the row evenly).
+__device__ void topk_part_range(const TreeTopkParams& p, int64_t part, int64_t& begin,
+                                int64_t& end) {
+  const int64_t size = (p.vocab + p.parts - 1) / p.parts;
+  begin = part * size < p.vocab ? part * size : p.vocab;
+  end = begin + size < p.vocab ? begin + size : p.vocab;
+}
+
+// One block per (row, part) item: with parts == 1 a whole row, written to the outputs; else one
+// vocabulary range, whose best k keys and (max, sum) go to the workspace for the merge kernel.
 __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkParams p, int cap) {
   DDTREE_DYNAMIC_SMEM(uint64_t, buf);  // [cap] candidate keys
   __shared__ int count;
@@ -70,7 +80,10 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
   __shared__ uint64_t threshold;
   __shared__ LseAccumulator partial[kTopkThreads / 32];
   const int k = static_cast<int>(p.k);
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+  for (int64_t item = blockIdx.x; item < p.rows * p.parts; item += gridDim.x) {
+    const int64_t row = item / p.parts;
+    int64_t begin, end;
+    topk_part_range(p, item % p.parts, begin, end);
     if (threadIdx.x == 0) {
       count = 0;
       full = 0;
@@ -78,12 +91,12 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
     }
     __syncthreads();
     LseAccumulator acc{-__builtin_inff(), 0.f};
-    for (int64_t base = 0; base < p.vocab; base += kTopkChunk) {
+    for (int64_t base = begin; base < end; base += kTopkChunk) {
       const bool have = full != 0;
       const uint64_t bar = threshold;
       for (int it = 0; it < kTopkItems; ++it) {
         const int64_t v = base + it * kTopkThreads + threadIdx.x;
-        if (v >= p.vocab) break;
+        if (v >= end) break;
         const float x = load_logit(p, row, v);
         lse_add(acc, x);
         const uint64_t key = topk_key(x, v);
@@ -101,8 +114,39 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
       __syncthreads();
     }
     const LseAccumulator total = block_lse(acc, partial);
-    const float lse = lse_value(total);
+    const int n = sort_candidates(buf, count);
+    if (p.parts == 1) {
+      const float lse = lse_value(total);
+      for (int j = threadIdx.x; j < k; j += blockDim.x) {
+        const uint64_t key = buf[j];
+        p.ids[row * k + j] = topk_key_id(key);
+        p.logprobs[row * k + j] = topk_key_value(key) - lse;
+      }
+    } else {
+      for (int j = threadIdx.x; j < k; j += blockDim.x) p.part_keys[item * k + j] = j < n ? buf[j] : 0;
+      if (threadIdx.x == 0) {
+        p.part_max[item] = total.m;
+        p.part_sum[item] = total.s;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Merge of a split row: one block per row sorts its parts' k-best lists (parts * k <= cap keys)
+// and merges their (max, sum) into the log-sum-exp.
+__global__ void __launch_bounds__(kTopkThreads) tree_topk_merge_kernel(const TreeTopkParams p) {
+  DDTREE_DYNAMIC_SMEM(uint64_t, buf);
+  const int k = static_cast<int>(p.k);
+  const int count = static_cast<int>(p.parts) * k;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    for (int i = threadIdx.x; i < count; i += blockDim.x) buf[i] = p.part_keys[row * count + i];
+    __syncthreads();
     sort_candidates(buf, count);
+    LseAccumulator total{-__builtin_inff(), 0.f};
+    for (int64_t j = 0; j < p.parts; ++j)
+      total = lse_merge(total, LseAccumulator{p.part_max[row * p.parts + j], p.part_sum[row * p.parts + j]});
+    const float lse = lse_value(total);
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
       const uint64_t key = buf[j];
       p.ids[row * k + j] = topk_key_id(key);
@@ -112,15 +156,81 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
   }
 }
 
+// chain_tree, stage 1: one block per (row, vocabulary range): the range's best key and NaN flag.
+__global__ void __launch_bounds__(kTopkThreads) chain_scan_kernel(const ChainTreeParams p) {
+  __shared__ uint64_t warp_best[kTopkThreads / 32];
+  __shared__ int32_t warp_nan[kTopkThreads / 32];
+  const int64_t item = blockIdx.x;
+  int64_t begin, end;
+  chain_part_range(p, item % p.parts, begin, end);
+  const int64_t row = item / p.parts;
+  uint64_t best = 0;
+  int32_t nan = 0;
+  for (int64_t v = begin + threadIdx.x; v < end; v += blockDim.x) {
+    const float x = load_elem(p.logits, p.dtype, row * p.vocab + v);
+    if (x != x) {
+      nan = 1;
+    } else {
+      const uint64_t key = topk_key(x, v);
+      best = key > best ? key : best;
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint64_t other = __shfl_xor_sync(kAll, best, off);
+    best = other > best ? other : best;
+    nan |= __shfl_xor_sync(kAll, nan, off);
+  }
+  if (threadIdx.x % 32 == 0) {
+    warp_best[threadIdx.x / 32] = best;
+    warp_nan[threadIdx.x / 32] = nan;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kTopkThreads / 32; ++w) {
+      best = warp_best[w] > best ? warp_best[w] : best;
+      nan |= warp_nan[w];
+    }
+    p.best[item] = best;
+    p.nan[item] = nan;
+  }
+}
+
+// chain_tree, stage 2: one warp per request writes its chain from the workspace.
+__global__ void chain_write_kernel(const ChainTreeParams p) {
+  __shared__ int64_t length;
+  const int64_t b = blockIdx.x;
+  if (threadIdx.x == 0) length = chain_length(p, b);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i <= p.depth; i += blockDim.x) chain_write_row(p, b, i, length);
+}
+
 }  // namespace
+
+int launch_chain_tree(const ChainTreeParams& p, void* stream) {
+  if (p.batch == 0) return 0;
+  const int64_t items = p.batch * p.depth * p.parts;
+  if (items > 0) {
+    const int e = launch_kernel(chain_scan_kernel, dim3(static_cast<unsigned>(items)),
+                                dim3(kTopkThreads), 0, stream, p);
+    if (e != 0) return e;
+  }
+  return launch_kernel(chain_write_kernel, dim3(static_cast<unsigned>(p.batch)), dim3(32), 0,
+                       stream, p);
+}
+
+int64_t tree_topk_max_parts(int64_t k) { return k > 0 ? topk_capacity(k) / k : 1; }
 
 int launch_tree_topk(const TreeTopkParams& p, void* stream) {
   if (p.rows == 0 || p.k == 0) return 0;
   const int64_t cap = topk_capacity(p.k);
-  const unsigned grid = static_cast<unsigned>(p.rows < (1 << 30) ? p.rows : (1 << 30));
-  return launch_kernel(tree_topk_kernel, dim3(grid), dim3(kTopkThreads),
-                       static_cast<size_t>(cap) * sizeof(uint64_t), stream, p,
-                       static_cast<int>(cap));
+  const int64_t items = p.rows * p.parts;
+  const unsigned grid = static_cast<unsigned>(items < (1 << 30) ? items : (1 << 30));
+  const size_t smem = static_cast<size_t>(cap) * sizeof(uint64_t);
+  const int e = launch_kernel(tree_topk_kernel, dim3(grid), dim3(kTopkThreads), smem, stream, p,
+                              static_cast<int>(cap));
+  if (e != 0 || p.parts == 1) return e;
+  const unsigned rows = static_cast<unsigned>(p.rows < (1 << 30) ? p.rows : (1 << 30));
+  return launch_kernel(tree_topk_merge_kernel, dim3(rows), dim3(kTopkThreads), smem, stream, p);
 }
 
 }  // namespace DDTREE_KERNEL_NS

@@ -155,6 +155,26 @@ TreeWalkParams TreeWalkTensors::params() const {
   return w;
 }
 
+void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                 const char* spelled) {
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", spelled, " = ", shape,
+              ", got ", t.sizes());
+}
+
+int64_t device_sm_count(Backend backend, const at::Tensor& on) {
+#ifdef DDTREE_WITH_CUDA
+  if (backend == Backend::kCuda) {
+    int count = 0;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, on.device().index()) ==
+        cudaSuccess)
+      return count;
+  }
+#endif
+  (void)backend;
+  (void)on;
+  return 8;
+}
+
 AttentionWorkspace plan_attention_splits(const char* op, Backend backend, const at::Tensor& q,
                                          const c10::optional<int64_t>& num_splits, int64_t batch,
                                          int64_t rows, int64_t hq, int64_t hkv, int64_t head_dim,
@@ -167,15 +187,7 @@ AttentionWorkspace plan_attention_splits(const char* op, Backend backend, const 
                 kAttnMaxSplits, "] (or None for automatic), got ", requested);
   }
   if (backend == Backend::kCpu) return ws;  // the CPU path does not split
-  int64_t sm_count = 8;
-#ifdef DDTREE_WITH_CUDA
-  if (backend == Backend::kCuda) {
-    int count = 0;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, q.device().index()) ==
-        cudaSuccess)
-      sm_count = count;
-  }
-#endif
+  const int64_t sm_count = device_sm_count(backend, q);
   ws.split.splits = choose_attention_splits(
       requested, batch, attention_blocks_per_request(rows, hq, hkv), max_keys, sm_count);
   if (ws.split.splits > 1) {

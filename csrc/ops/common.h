@@ -30,6 +30,13 @@ bool should_validate_values(const at::Tensor& t);
 at::Tensor host_view(const at::Tensor& t);
 
 void check_index_tensor(const char* op, const char* name, const at::Tensor& t);
+
+// `t` must have exactly `shape` (spelled out in the message, e.g. "[B, N]").
+void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                 const char* spelled);
+
+// Index tensors as contiguous int64.
+inline at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
 void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like);
 
@@ -43,6 +50,9 @@ int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
 void check_mma_attention_args(const char* op, at::ScalarType dtype, int64_t head_dim);
 // The softmax scale: the given one, else 1 / sqrt(head_dim).
 float attention_scale(const c10::optional<double>& scale, int64_t head_dim);
+
+// Streaming multiprocessors of the device holding `on` (CUDA); a nominal 8 for the emulator.
+int64_t device_sm_count(Backend backend, const at::Tensor& on);
 
 // Split-over-keys plan of an attention kernel launch (see core/tree_attention.h): the number of
 // splits (num_splits when given, else from the device's SM count: a nominal 8 for the emulator)

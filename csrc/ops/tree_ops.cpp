@@ -20,21 +20,41 @@ constexpr int64_t kMaxBudget = 4096;  // the heap lives in shared memory on the 
 constexpr int64_t kMaxDepth = 32;     // rank paths are compared in fixed arrays
 constexpr int64_t kMaxTopK = 32767;   // ranks are int16
 
-Tensor as_long(const Tensor& t) { return t.to(at::kLong).contiguous(); }
-
-void check_shape(const char* op, const char* name, const Tensor& t, at::IntArrayRef shape,
-                 const char* spelled) {
-  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", spelled, " = ", shape,
-              ", got ", t.sizes());
-}
-
 // ---- build_tree ----
 
 constexpr OpKernels<BuildTreeParams> kBuildKernels{
     &cpu::build_tree_requests, &emulated::launch_build_tree, DDTREE_GPU_LAUNCHER(launch_build_tree)};
 
+// The value checks on CPU tensors (contiguous lp / ids / budgets): plain loops, no temporaries —
+// at small budgets the ATen form below costs more than building the tree.
+void check_build_values_cpu(const char* op, const Tensor& logprobs, const Tensor& ids,
+                            const Tensor& budgets, int64_t budget) {
+  const float* lp = logprobs.data_ptr<float>();
+  const int64_t K = logprobs.size(2), rows = logprobs.numel() / std::max<int64_t>(K, 1);
+  const auto key = [](float x) { return x != x ? -std::numeric_limits<float>::infinity() : x; };
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 1; k < K; ++k) {
+      const float prev = lp[r * K + k - 1], cur = lp[r * K + k];
+      TORCH_CHECK(!(key(cur) > key(prev)), op, ": logprobs must be sorted in non-increasing order ",
+                  "along the last dimension (top-k order); logprobs[", r / logprobs.size(1), ", ",
+                  r % logprobs.size(1), ", ", k, "] = ", cur, " > logprobs[", r / logprobs.size(1),
+                  ", ", r % logprobs.size(1), ", ", k - 1, "] = ", prev);
+    }
+  }
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(id[i] >= 0, op, ": ids must be token ids >= 0, found ", id[i]);
+  if (budgets.defined()) {
+    const int64_t* bud = budgets.data_ptr<int64_t>();
+    for (int64_t b = 0; b < budgets.numel(); ++b)
+      TORCH_CHECK(bud[b] >= 0 && bud[b] <= budget, op, ": budgets must be in [0, budget] = [0, ",
+                  budget, "], found ", bud[b]);
+  }
+}
+
 void check_build_values(const char* op, const Tensor& logprobs, const Tensor& ids,
                         const Tensor& budgets, int64_t budget) {
+  if (logprobs.is_cpu()) return check_build_values_cpu(op, logprobs, ids, budgets, budget);
   // Non-increasing along K, with NaN counted as -inf (it never enters the tree).
   constexpr double inf = std::numeric_limits<double>::infinity();
   const Tensor lp = logprobs.nan_to_num(-inf, inf, -inf);

@@ -25,6 +25,12 @@ def _register(namespace: str) -> None:
             logits.new_empty((b, l, k), dtype=torch.int64),
         )
 
+    @torch.library.register_fake(f"{namespace}::chain_tree")
+    def _chain_tree(logits, root_tokens):
+        b, l, _ = logits.shape
+        rows = [logits.new_empty((b, l + 1), dtype=torch.int64) for _ in range(5)]
+        return (*rows, logits.new_empty((b,), dtype=torch.int64))
+
     @torch.library.register_fake(f"{namespace}::build_tree")
     def _build_tree(logprobs, ids, root_tokens, budget, budgets=None):
         b = logprobs.shape[0]

@@ -3,8 +3,10 @@
   ddtree generate --target DIR --draft DIR --prompt TEXT [--mode tree|chain|autoregressive]
                   [--budget 64] [--max-new-tokens 128] [--temperature 0] [--top-k 0] [--top-p 1]
   ddtree bench --target DIR --draft DIR --prompts FILE [--budget 64] [--plot out.png] [--json F]
+  ddtree train-drafter --target DIR --out DIR [--corpus PATH] [--labels greedy|data] [--steps N]
 
-Local directories in Hugging Face format; nothing is downloaded.
+Local directories in Hugging Face format; nothing is downloaded. `--target embedded` /
+`--draft embedded` name the embedded pair shipped with the package (ddtree.embedded).
 """
 from __future__ import annotations
 
@@ -25,11 +27,15 @@ def _load(args):
 
     from .models import DFlashDrafter
 
+    from . import embedded
+
     dtype = DTYPES[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = DFlashDrafter.from_pretrained(args.draft, dtype=dtype).to(device) if args.draft else None
+    target_path = str(embedded.target_dir()) if args.target == "embedded" else args.target
+    draft_path = str(embedded.drafter_dir()) if args.draft == "embedded" else args.draft
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    drafter = DFlashDrafter.from_pretrained(draft_path, dtype=dtype).to(device) if draft_path else None
     if args.tree_attention or args.cuda_graph:
         from . import hf
 
@@ -135,10 +141,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    from .train import add_train_drafter_parser
+
+    add_train_drafter_parser(sub)
     for name in ("generate", "bench"):
         p = sub.add_parser(name)
-        p.add_argument("--target", required=True, help="target model directory (HF format)")
-        p.add_argument("--draft", required=name == "bench", help="DFlash drafter directory")
+        p.add_argument("--target", required=True,
+                       help="target model directory (HF format), or 'embedded'")
+        p.add_argument("--draft", required=name == "bench",
+                       help="DFlash drafter directory, or 'embedded'")
         p.add_argument("--budget", type=int, default=64)
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -163,6 +174,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and args.mode != "autoregressive" and not args.draft:
         parser.error("--draft is required unless --mode autoregressive")
+    if args.command == "train-drafter":
+        return args.func(args)
     return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
 
 

@@ -1,7 +1,11 @@
-"""`make demo`: runs the ops on an example draft tree and prints what they compute.
-
-(The speculative loop over Hugging Face weights replaces this demo once it exists.)
+"""`make demo`: the speculative loop on the embedded trained pair (autoregressive vs DFlash chain
+vs DDTree at budgets 16 / 64 / 256: τ, target forwards, tokens/s, lossless check, a plot), then
+the ops on an example draft tree.
 """
+import os
+import sys
+from typing import Optional
+
 import torch
 
 import ddtree
@@ -21,54 +25,129 @@ def _show_tree(tokens, parents):
     walk(0, 1)
 
 
-def _embedded_models():
-    import os
+MODES = [("autoregressive", 0), ("chain", 15), ("tree", 16), ("tree", 64), ("tree", 256)]
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from .models import DFlashDrafter, dflash_config
+def _label(mode: str, budget: int) -> str:
+    return f"tree B={budget}" if mode == "tree" else mode
 
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=256)).eval()
-    drafter = DFlashDrafter(dflash_config(dict(
-        vocab_size=512, hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=256, block_size=16,
-        num_target_layers=4, dflash_config={"mask_token_id": 511})))
-    return target, drafter.eval()
+
+def _marked(tokenizer, result, color: bool) -> str:
+    """The generated text with each round's emitted span marked: alternating colours on a
+    terminal, else every span wrapped in ⟦ ⟧. (The first token comes from the prefill.)"""
+    spans, at = [result.tokens[:1]], 1
+    for n in result.acceptance_lengths:
+        spans.append(result.tokens[at:at + n])
+        at += n
+    pieces = [tokenizer.decode(s) for s in spans if s]
+    if color:
+        return "".join(f"\033[{'30;46' if i % 2 else '30;43'}m{p}\033[0m" for i, p in enumerate(pieces))
+    return "".join(f"⟦{p}⟧" for p in pieces)
+
+
+def _plot(rows, results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tree = [r for r in rows if r["mode"] == "tree"]
+    budgets = [r["budget"] for r in tree]
+    by = {r["label"]: r for r in rows}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, name in ((axes[0], "tau", "τ (tokens per target forward)"),
+                          (axes[1], "tokens_per_second", "tokens / s (CPU)")):
+        ax.plot(budgets, [r[key] for r in tree], "o-", label="DDTree")
+        ax.axhline(by["chain"][key], color="tab:orange", ls="--", label="DFlash chain")
+        ax.axhline(by["autoregressive"][key], color="gray", ls=":", label="autoregressive")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("tree budget (nodes)")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=8)
+    hist = axes[2]
+    width = 0.8 / 3
+    for i, label in enumerate(["chain", "tree B=64", "tree B=256"]):
+        lengths = [n for r in results[label] for n in r.acceptance_lengths]
+        counts = [lengths.count(k) / max(1, len(lengths)) for k in range(1, 17)]
+        hist.bar([k + (i - 1) * width for k in range(1, 17)], counts, width, label=label)
+    hist.set_xticks(range(1, 17))
+    hist.set_xlabel("tokens emitted per round")
+    hist.set_ylabel("fraction of rounds")
+    hist.legend(fontsize=8)
+    fig.suptitle("ddtree on the embedded pair (held-out stdlib prompts, greedy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[str] = None,
+                  modes=MODES, verbose: bool = True):
+    """Every mode of `modes` on held-out prompts with the embedded pair (CPU, fp32, greedy, stop
+    at end-of-text); warm-up excluded. Returns (rows, results by label)."""
+    from . import embedded
+    from .generate import generate
+
+    log = print if verbose else (lambda *a, **k: None)
+    target, drafter, tokenizer = embedded.load()
+    prompts = embedded.heldout_prompts(prompt_count)
+    ids = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    stops = [tokenizer.eos_token_id]
+    for mode, budget in modes:  # warm-up (first calls allocate, build caches, load kernels)
+        generate(target, drafter, ids[0], 8, mode=mode, budget=budget, stop_token_ids=stops)
+    results, rows = {}, []
+    for mode, budget in modes:
+        label = _label(mode, budget)
+        results[label] = [generate(target, drafter, x, new_tokens, mode=mode, budget=budget,
+                                   stop_token_ids=stops) for x in ids]
+        rs = results[label]
+        tokens = sum(len(r.tokens) for r in rs)
+        rounds = sum(len(r.acceptance_lengths) for r in rs)
+        seconds = sum(r.seconds for r in rs)
+        rows.append(dict(label=label, mode=mode, budget=budget, tokens=tokens,
+                         forwards=rounds + len(rs),  # + one prefill per prompt
+                         tau=sum(sum(r.acceptance_lengths) for r in rs) / max(1, rounds),
+                         tokens_per_second=tokens / seconds, seconds=seconds,
+                         identical=all(r.tokens == a.tokens
+                                       for r, a in zip(rs, results["autoregressive"]))))
+    log(f"\nEmbedded pair: hybrid Qwen3.5-text target (3 Gated DeltaNet + 1 attention layer, "
+        f"hidden {target.config.hidden_size}, vocab {target.config.vocab_size}) + 2-layer DFlash "
+        f"drafter, trained on the Python stdlib; {len(prompts)} held-out prompts, up to "
+        f"{new_tokens} new tokens, CPU fp32, greedy.")
+    show = "tree B=64"
+    log(f"\nPrompt 1 continued by {show} (each round's accepted tokens + bonus marked):")
+    log(prompts[0] + _marked(tokenizer, results[show][0], sys.stdout.isatty()))
+    log(f"\n{'mode':<16}{'tau':>6}{'target fwd':>12}{'tokens':>8}{'tokens/s':>10}{'wall s':>8}"
+        f"  identical to autoregressive")
+    for r in rows:
+        log(f"{r['label']:<16}{r['tau']:>6.2f}{r['forwards']:>12}{r['tokens']:>8}"
+            f"{r['tokens_per_second']:>10.1f}{r['seconds']:>8.2f}  {'yes' if r['identical'] else 'NO'}")
+    if plot:
+        os.makedirs(os.path.dirname(os.path.abspath(plot)), exist_ok=True)
+        _plot(rows, results, plot)
+        log(f"plot: {plot}")
+    return rows, results
 
 
 def _loop_demo() -> None:
-    from .generate import generate
-
-    target, drafter = _embedded_models()
-    prompt = torch.tensor([[11, 42, 7, 300, 5]])
-    print("\nSpeculative decoding on the embedded default (Qwen3-architecture target, 4 layers, "
-          "vocab 512; DFlash drafter, block 16; random weights, CPU fp32):")
-    results = {}
-    for mode in ("autoregressive", "chain", "tree"):
-        r = generate(target, drafter, prompt, 48, mode=mode, budget=64)
-        results[mode] = r
-        stages = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r.stage_seconds.items() if v)
-        print(f"  {mode:<22} tau {r.tau:4.2f}  {r.tokens_per_second:7.1f} tokens/s  ({stages})")
+    rows, results = run_loop_demo(plot=os.path.join("build", "demo", "ddtree_demo.png"))
     # The same tree mode with the tree_attention op (transformers attention "ddtree", no dense
     # mask) on the fixed-shape verify step that cuda_graph=True captures on a GPU.
-    from . import hf
+    from . import embedded, hf
+    from .generate import generate
 
+    target, drafter, tokenizer = embedded.load()
     hf.use_tree_attention(target)
-    r = generate(target, drafter, prompt, 48, mode="tree", budget=64)
-    results["tree + tree_attention"] = r
-    stages = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r.stage_seconds.items() if v)
-    print(f"  {'tree + tree_attention':<22} tau {r.tau:4.2f}  {r.tokens_per_second:7.1f} tokens/s  "
-          f"({stages})")
-    print("  tokens:", results["tree"].tokens[:24], "...")
-    same = all(r.tokens == results["autoregressive"].tokens for r in results.values())
-    print(f"  lossless: every mode == autoregressive greedy tokens: {same}")
+    prompt = tokenizer(embedded.heldout_prompts(1)[0], return_tensors="pt").input_ids
+    r = generate(target, drafter, prompt, 96, mode="tree", budget=64,
+                 stop_token_ids=[tokenizer.eos_token_id])
+    same_op = r.tokens == results["autoregressive"][0].tokens
+    print(f"{'tree + tree_attention':<22} (static verify step, prompt 1): tau {r.tau:4.2f}, "
+          f"identical to autoregressive: {'yes' if same_op else 'NO'}")
+    same = all(row["identical"] for row in rows) and same_op
+    print(f"lossless: every mode == autoregressive greedy tokens: {same}")
     if not same:
         raise SystemExit("demo: speculative output differs from the target's greedy decoding")
-    print("  (random drafter weights accept little; see tests/test_generate.py for long acceptances)")
 
 
 def main() -> None:

@@ -262,8 +262,8 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
                                 for b in range(batch)])
         t1 = time.perf_counter()
         if speculative:
-            if mode == "chain":
-                tree, vis = ops.draft_to_tree(logits, bonus, depth, start=valid, k=1)
+            if mode == "chain":  # the argmax chain, without the log-softmax / top-k machinery
+                tree, vis = ops.chain_to_tree(logits, bonus, start=valid)
             else:
                 tree, vis = ops.draft_to_tree(logits, bonus, max(budgets), start=valid,
                                               budgets=budget_t)

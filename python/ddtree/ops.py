@@ -172,6 +172,22 @@ def draft_to_tree(
     return tree, tree_visibility(tree.parents, tree.num_nodes, start)
 
 
+def chain_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor) -> DraftTree:
+    """DFlash's chain as a DraftTree of N = L + 1 rows, straight from the draft logits [B, L, V]:
+    node d is the argmax of depth d - 1 (ties -> lower id), up to the first depth whose top-1
+    log-prob is not a real number (a NaN / +inf in the row, or all -inf). Equals
+    build_tree(*tree_topk(draft_logits, 1), root_tokens, L) in one pass over the logits, without
+    the log-softmax."""
+    return DraftTree(*torch.ops.ddtree.chain_tree(draft_logits, root_tokens))
+
+
+def chain_to_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor,
+                  start: Union[int, torch.Tensor] = 0):
+    """The chain-mode counterpart of draft_to_tree: (chain_tree, tree_visibility), two launches."""
+    tree = chain_tree(draft_logits, root_tokens)
+    return tree, tree_visibility(tree.parents, tree.num_nodes, start)
+
+
 def tree_causal_conv1d(x, conv_state, slots, weight, bias, parents, num_nodes,
                        activation: Optional[str] = "silu") -> torch.Tensor:
     """Depthwise causal conv over a tree (SPEC §7): node i convolves [anc_{W-1}, ..., parent, x_i],

@@ -184,6 +184,12 @@ def tree_topk(logits, k: int):
     return torch.gather(logprobs, -1, ids), ids
 
 
+def chain_tree(logits, root_tokens):
+    """The K = 1 tree of budget L (DFlash's chain): build_tree over the top-1 log-softmax."""
+    logprobs, ids = tree_topk(logits, 1)
+    return build_tree(logprobs, ids, root_tokens, logits.shape[1])
+
+
 def filtered_probs(logits_row, temperature: float, top_k: int = 0, top_p: float = 1.0):
     """The target's sampling distribution for one row (float64 [V]): temperature, then top-k
     (values >= the k-th largest kept), then top-p (lowest values dropped, whole groups of equal

@@ -70,10 +70,7 @@ class DFlashAttention(nn.Module):
         norm, RoPE and SDPA with a key mask (the reference path)."""
         b, s, _ = x.shape
         c = ctx.shape[1]
-        kv_in = torch.cat([ctx, x], 1)
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x, ctx)
         if fused:
             from ..ops import draft_attention
 
@@ -81,21 +78,39 @@ class DFlashAttention(nn.Module):
                                   self.q_norm.weight, self.k_norm.weight, rope_kv[0], rope_kv[1], c,
                                   self.q_norm.variance_epsilon, context_len=ctx_rows.new_t)
             return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(k).transpose(1, 2)
-        v = v.transpose(1, 2)
-        q, _ = apply_rotary_pos_emb(q, q, *rope_q)
-        k, _ = apply_rotary_pos_emb(k, k, *rope_kv)
+        q, k, v = self.norm_rope(q, k, v, rope_q, rope_kv)
         (rows, at), src = ctx_rows.scatter
         cache_kv[0][rows, :, at] = k[rows, :, src]
         cache_kv[1][rows, :, at] = v[rows, :, src]
         span = ctx_rows.span
         keys = torch.cat([cache_kv[0][:, :, :span], k[:, :, c:]], 2)
         values = torch.cat([cache_kv[1][:, :, :span], v[:, :, c:]], 2)
+        return self.attend(q, keys, values, ctx_rows.key_mask(s))
+
+    def project(self, x, ctx):
+        """q [B, S, Hq, D] of the block rows x [B, S, H]; k, v [B, C + S, Hkv, D] of [ctx; x]."""
+        b, s, _ = x.shape
+        kv_in = torch.cat([ctx, x], 1)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(kv_in).view(b, kv_in.shape[1], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(kv_in).view(b, kv_in.shape[1], self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def norm_rope(self, q, k, v, rope_q, rope_kv):
+        """q/k RMSNorm + RoPE; returns q [B, Hq, S, D], k, v [B, Hkv, C + S, D]."""
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, *rope_q)
+        k, _ = apply_rotary_pos_emb(k, k, *rope_kv)
+        return q, k, v.transpose(1, 2)
+
+    def attend(self, q, keys, values, mask):
+        """SDPA (GQA by repeating K/V heads; mask True = visible, non-causal) + o_proj:
+        q [B, Hq, S, D], keys / values [B, Hkv, K, D] -> [B, S, H]."""
+        b, _, s, _ = q.shape
         rep = self.num_heads // self.num_kv_heads
         attn = torch.nn.functional.scaled_dot_product_attention(
-            q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
-            attn_mask=ctx_rows.key_mask(s))  # non-causal
+            q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask)
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
