@@ -8,8 +8,8 @@ baseline written here from the DDTree paper's algorithm, same inputs, same run:
   ddtree chain  : chain_to_tree (chain_tree -> tree_visibility)
 
 and `tree_topk` alone against one read of the same logits (torch.amax over them, same threads,
-same cache state) and the machine's measured read / copy bandwidth. Checks first that ddtree and
-the baseline build the same trees. Medians of repeats, warm-up excluded.
+same cache state) and the machine's measured read / copy bandwidth. Checks first that ddtree's
+build_tree gives the baseline's trees from the baseline's top-k, and how often the two top-k agree. Medians of repeats, warm-up excluded.
 
   python bench/bench_tree_step.py [--quick] [--json FILE]
 """
@@ -28,9 +28,16 @@ from ddtree import reference
 L = 15
 
 
-def baseline_tree(logits, roots, budget):
+def baseline_topk(logits, budget):
     k = min(budget, logits.shape[-1])
-    values, ids = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
+    return torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
+
+
+def baseline_tree(logits, roots, budget):
+    return baseline_heap(*baseline_topk(logits, budget), roots, budget)
+
+
+def baseline_heap(values, ids, roots, budget):
     lq, tok = values.tolist(), ids.tolist()
     trees = [reference.build_tree_single(lq[b], tok[b], budget, int(roots[b]))
              for b in range(len(lq))]
@@ -68,14 +75,21 @@ def run_case(batch, vocab, budgets, repeats):
     t_read = median_time(lambda: torch.amax(logits), repeats)
     rows = []
     for budget in budgets:
-        tree, _ = ddtree.draft_to_tree(logits, roots, budget, start=start)
-        tokens, parents = baseline_tree(logits, roots, budget)
+        # Same trees from the same top-k inputs (exact), and top-k agreement: the two log-sum-exps
+        # round differently, so far down a big tree near-equal scores may pop in another order.
+        base_lp, base_ids = baseline_topk(logits, budget)
+        tokens, parents = baseline_heap(base_lp, base_ids, roots, budget)
+        tree = ddtree.build_tree(base_lp, base_ids, roots, budget)
         same = bool(torch.equal(tree.node_tokens, tokens) and torch.equal(tree.parents, parents))
         k = min(budget, vocab, 1024)
+        ours_lp, ours_ids = ddtree.tree_topk(logits, k)
+        ids_agree = float((ours_ids == base_ids[..., :k]).float().mean())
+        lp_err = float((ours_lp - base_lp[..., :k]).abs().max())
         t_topk = median_time(lambda: ddtree.tree_topk(logits, k), repeats)
         t_ours = median_time(lambda: ddtree.draft_to_tree(logits, roots, budget, start=start), repeats)
         t_base = median_time(lambda: baseline_tree(logits, roots, budget), repeats)
         rows.append(dict(batch=batch, vocab=vocab, budget=budget, same_trees=same,
+                         topk_ids_agree=ids_agree, topk_max_abs_err=lp_err,
                          logits_mb=nbytes / 1e6, one_read_ms=1e3 * t_read,
                          topk_ms=1e3 * t_topk, topk_gbps=nbytes / t_topk / 1e9,
                          topk_over_one_read=t_topk / t_read,
@@ -105,7 +119,7 @@ def main():
     print(f"torch {torch.__version__}, {threads} threads, {platform.processor() or platform.machine()}; "
           f"L = {L}; measured bandwidth: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s")
     print(f"{'B':>3} {'V':>7} {'budget':>6} | {'baseline':>9} {'ddtree':>8} {'speed-up':>8} | "
-          f"{'tree_topk':>9} {'GB/s':>6} {'/ 1 read':>8} | same")
+          f"{'tree_topk':>9} {'GB/s':>6} {'/ 1 read':>8} | same trees, top-k ids agree")
     tree_rows, chain_rows = [], []
     for batch, vocab in cases:
         repeats = 3 if batch * vocab > 5_000_000 else 11
@@ -115,7 +129,8 @@ def main():
         for r in rows:
             print(f"{batch:>3} {vocab:>7} {r['budget']:>6} | {r['baseline_ms']:>7.2f}ms "
                   f"{r['ddtree_ms']:>6.2f}ms {r['speedup']:>7.1f}x | {r['topk_ms']:>7.2f}ms "
-                  f"{r['topk_gbps']:>6.1f} {r['topk_over_one_read']:>7.2f}x | {r['same_trees']}",
+                  f"{r['topk_gbps']:>6.1f} {r['topk_over_one_read']:>7.2f}x | {r['same_trees']}, "
+                  f"{100 * r['topk_ids_agree']:.2f}%",
                   flush=True)
     print(f"\nchain mode (K = 1, no log-softmax): {'B':>3} {'V':>7} | argmax baseline | "
           f"chain_to_tree | ratio | one read")

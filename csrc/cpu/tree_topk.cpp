@@ -2,6 +2,8 @@
 
 #include "cpu/vector_math.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -14,68 +16,165 @@ namespace {
 
 constexpr int64_t kBlock = 256;  // values handled together, in L1: max, exp-sum, k-th-best test
 constexpr float kInf = std::numeric_limits<float>::infinity();
+// A block's exps may be taken against a running max up to this much below the block's max
+// (e^60 * kBlock stays far from float overflow); beyond it the block is redone.
+constexpr float kExpHeadroom = 60.f;
 
-inline void replace_worst(uint64_t* heap, int64_t n, uint64_t key) {
-  const std::greater<uint64_t> min_heap;
-  std::pop_heap(heap, heap + n, min_heap);
-  heap[n - 1] = key;
-  std::push_heap(heap, heap + n, min_heap);
+// The first kSeed * k values of a range seed the candidates (their k-th best is the first bar).
+constexpr int64_t kSeed = 4;
+
+// Scratch keys per scan: the k best so far plus room for candidates between compactions (a small
+// slack keeps the bar close to the exact k-th best, so few blocks pass the skip test).
+inline int64_t scratch_size(int64_t k) { return kSeed * k + std::max<int64_t>(8, k / 2); }
+
+// Indices v in [from, stop) with x[v] > bar (NaN never), ascending, into idx; returns how many.
+// The AVX2 form tests 8 values per compare and visits only the set bits of the mask.
+__attribute__((always_inline)) inline int64_t values_above_scalar(const float* x, int64_t from,
+                                                                  int64_t stop, float bar,
+                                                                  int32_t* idx) {
+  int64_t n = 0;
+  for (int64_t v = from; v < stop; ++v) {
+    idx[n] = static_cast<int32_t>(v);
+    n += x[v] > bar;
+  }
+  return n;
 }
 
-// One pass over x[begin, end): per block of kBlock values, the block max (rescaling the running
-// sum when the max grows), the block's exp-sum against the running max, and the top-k test. A
-// min-heap keeps the best keys; ids only grow during the scan, so a value equal to the k-th best
-// loses the tie and a block whose values are all <= it is skipped. heap has room for k keys.
-__attribute__((target_clones("avx2", "default"))) TopkPartial topk_span(
-    const float* x, int64_t begin, int64_t end, int64_t k, uint64_t* heap) {
-  TopkPartial acc{-kInf, 0.0, 0, 0};
-  const std::greater<uint64_t> min_heap;
-  const int64_t first = std::min(end, begin + k);
-  for (int64_t v = begin; v < first; ++v) heap[v - begin] = topk_key(x[v], v);
-  const int64_t n = first - begin;
-  std::make_heap(heap, heap + n, min_heap);
-  acc.count = n;
-  for (int64_t v0 = begin; v0 < end; v0 += kBlock) {
-    const int64_t stop = std::min(end, v0 + kBlock);
-    float bm = -kInf;
-    int nan = 0;
-#pragma omp simd reduction(max : bm) reduction(| : nan)
-    for (int64_t v = v0; v < stop; ++v) {
-      bm = x[v] > bm ? x[v] : bm;
-      nan |= x[v] != x[v];
-    }
-    acc.nan |= nan;
-    if (bm > acc.max) {
-      if (acc.sum > 0.0) acc.sum *= std::exp(static_cast<double>(acc.max) - bm);
-      acc.max = bm;
-    }
-    const float m = acc.max;
-    if (m > -kInf && m < kInf) {
-      float block = 0.f;
-#pragma omp simd reduction(+ : block)
-      for (int64_t v = v0; v < stop; ++v) block += exp_nonpositive(x[v] - m);
-      acc.sum += block;
-    }
-    const int64_t from = std::max(v0, first);
-    if (from >= stop || n == 0) continue;
-    uint64_t worst = heap[0];
-    if ((worst >> 32) == 0) {  // a NaN is among the k best: compare whole keys
-      for (int64_t v = from; v < stop; ++v) {
-        const uint64_t key = topk_key(x[v], v);
-        if (key > heap[0]) replace_worst(heap, n, key);
-      }
-      continue;
-    }
-    float bar = topk_key_value(worst);
-    if (!(bm > bar)) continue;
-    for (int64_t v = from; v < stop; ++v) {
-      if (!(x[v] > bar)) continue;
-      replace_worst(heap, n, topk_key(x[v], v));
-      worst = heap[0];
-      bar = (worst >> 32) ? topk_key_value(worst) : -kInf;
+__attribute__((target("avx2,fma"))) int64_t values_above_avx2(
+    const float* x, int64_t from, int64_t stop, float bar, int32_t* idx) {
+  int64_t n = 0;
+  int64_t v = from;
+  const __m256 b = _mm256_set1_ps(bar);
+  for (; v + 8 <= stop; v += 8) {
+    unsigned mask = static_cast<unsigned>(
+        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + v), b, _CMP_GT_OQ)));
+    while (mask) {
+      idx[n++] = static_cast<int32_t>(v + __builtin_ctz(mask));
+      mask &= mask - 1;
     }
   }
+  return n + values_above_scalar(x, v, stop, bar, idx + n);
+}
+
+// Keeps the k best of buf[0, n) in buf[0, k) (unordered; buf[k - 1] the k-th best).
+inline void keep_best(uint64_t* buf, int64_t n, int64_t k) {
+  std::nth_element(buf, buf + k - 1, buf + n, std::greater<uint64_t>());
+}
+
+// One pass over x[begin, end): per block of kBlock values, the block max and its exp-sum against
+// the running max in one loop (the sum rescaled when the max grows), then the top-k test.
+// Candidates that beat the k-th best key so far (`bar`) are appended to buf; when it fills up
+// (scratch_size(k) keys), the best k are kept and bar rises. Ids only grow during the scan, so a
+// value equal to bar's loses the tie, and a block whose max is <= bar's value is skipped. On
+// return buf[0, count) holds the range's best min(k, range) keys, unordered.
+template <bool kAvx2>
+__attribute__((always_inline)) inline TopkPartial topk_span_body(const float* x, int64_t begin,
+                                                                  int64_t end, int64_t k,
+                                                                  uint64_t* buf) {
+  int32_t idx[kBlock];
+  TopkPartial acc{-kInf, 0.0, 0, 0};
+  const int64_t cap = scratch_size(k);
+  const int64_t first = std::min(end, begin + kSeed * k);
+  int64_t count = first - begin;
+  for (int64_t v = begin; v < first; ++v) buf[v - begin] = topk_key(x[v], v);
+  if (count > k) {
+    keep_best(buf, count, k);
+    count = k;
+  }
+  uint64_t bar = count == k && k > 0 ? *std::min_element(buf, buf + count) : 0;
+  for (int64_t v0 = begin; v0 < end; v0 += kBlock) {
+    const int64_t stop = std::min(end, v0 + kBlock);
+    float bm = -kInf, block = 0.f;
+    int nan = 0;
+    const float m = acc.max;
+    const bool finite_max = m > -kInf && m < kInf;
+    if (finite_max) {  // one pass: block max, NaN flag and exps against the running max
+#pragma omp simd reduction(max : bm) reduction(| : nan) reduction(+ : block)
+      for (int64_t v = v0; v < stop; ++v) {
+        bm = x[v] > bm ? x[v] : bm;
+        nan |= x[v] != x[v];
+        block += exp2_bounded((x[v] - m) * kLog2e);
+      }
+    } else {
+#pragma omp simd reduction(max : bm) reduction(| : nan)
+      for (int64_t v = v0; v < stop; ++v) {
+        bm = x[v] > bm ? x[v] : bm;
+        nan |= x[v] != x[v];
+      }
+    }
+    acc.nan |= nan;
+    if (finite_max && bm <= m + kExpHeadroom) {  // the exps stayed in range: rescale if needed
+      acc.sum += block;
+      if (bm > m) {
+        acc.sum *= std::exp(static_cast<double>(m) - bm);
+        acc.max = bm;
+      }
+    } else {  // the first finite block, or the max jumped: the block against its own max
+      if (bm > acc.max) {
+        if (acc.sum > 0.0) acc.sum *= std::exp(static_cast<double>(acc.max) - bm);
+        acc.max = bm;
+      }
+      const float m2 = acc.max;
+      if (m2 > -kInf && m2 < kInf) {
+        block = 0.f;
+#pragma omp simd reduction(+ : block)
+        for (int64_t v = v0; v < stop; ++v) block += exp2_bounded((x[v] - m2) * kLog2e);
+        acc.sum += block;
+      }
+    }
+    const int64_t from = std::max(v0, first);
+    if (from >= stop || k == 0) continue;
+    // A value equal to bar's loses (its id is larger), so only values above bar's can enter;
+    // a NaN / empty bar (high word 0) lets every value be tested on whole keys.
+    const bool real_bar = (bar >> 32) != 0;
+    if (real_bar && !(bm > topk_key_value(bar))) continue;
+    int64_t n;
+    if (real_bar) {
+      const float bar_value = topk_key_value(bar);
+      if constexpr (kAvx2) {
+        n = values_above_avx2(x, from, stop, bar_value, idx);
+      } else {
+        n = values_above_scalar(x, from, stop, bar_value, idx);
+      }
+    } else {
+      n = 0;
+      for (int64_t v = from; v < stop; ++v) idx[n++] = static_cast<int32_t>(v);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t key = topk_key(x[idx[i]], idx[i]);
+      if (key <= bar) continue;  // bar rose since the test
+      buf[count++] = key;
+      if (count == cap) {
+        keep_best(buf, count, k);
+        count = k;
+        bar = buf[k - 1];
+      }
+    }
+  }
+  if (count > k) {
+    keep_best(buf, count, k);
+    count = k;
+  }
+  acc.count = count;
   return acc;
+}
+
+// The same loops compiled for AVX2 + FMA (where the CPU has both) and for the baseline ISA.
+__attribute__((target("avx2,fma"))) TopkPartial topk_span_avx2(const float* x, int64_t begin,
+                                                               int64_t end, int64_t k,
+                                                               uint64_t* buf) {
+  return topk_span_body<true>(x, begin, end, k, buf);
+}
+
+TopkPartial topk_span_baseline(const float* x, int64_t begin, int64_t end, int64_t k,
+                               uint64_t* buf) {
+  return topk_span_body<false>(x, begin, end, k, buf);
+}
+
+// buf: scratch_size(k) keys.
+TopkPartial topk_span(const float* x, int64_t begin, int64_t end, int64_t k, uint64_t* buf) {
+  return cpu_has_avx2_fma() ? topk_span_avx2(x, begin, end, k, buf)
+                            : topk_span_baseline(x, begin, end, k, buf);
 }
 
 // torch.logsumexp conventions: NaN anywhere -> NaN; all -inf -> -inf; a +inf -> +inf.
@@ -87,7 +186,8 @@ float lse_of(const TopkPartial& a) {
 
 // Sorts keys[0, n) descending and writes the best k as (log-prob, id).
 void write_row(uint64_t* keys, int64_t n, int64_t k, float lse, float* lp_out, int64_t* id_out) {
-  std::partial_sort(keys, keys + k, keys + n, std::greater<uint64_t>());
+  if (n > k) keep_best(keys, n, k);
+  std::sort(keys, keys + k, std::greater<uint64_t>());
   for (int64_t j = 0; j < k; ++j) {
     id_out[j] = topk_key_id(keys[j]);
     lp_out[j] = topk_key_value(keys[j]) - lse;
@@ -101,8 +201,9 @@ std::pair<int64_t, int64_t> part_range(int64_t vocab, int64_t parts, int64_t par
 
 // Best key (highest value, then lowest id; 0 = no non-NaN value) and NaN flag of x[begin, end)
 // in one pass: a vectorised max per block, the block rescanned only when it raises the best.
-__attribute__((target_clones("avx2", "default"))) void chain_scan_range(
-    const float* x, int64_t begin, int64_t end, uint64_t& best_key, int32_t& any_nan) {
+__attribute__((always_inline)) inline void chain_scan_body(const float* x, int64_t begin,
+                                                           int64_t end, uint64_t& best_key,
+                                                           int32_t& any_nan) {
   float best = -kInf;
   int64_t best_id = -1;
   int nan = 0;
@@ -130,6 +231,17 @@ __attribute__((target_clones("avx2", "default"))) void chain_scan_range(
   any_nan = nan;
 }
 
+__attribute__((target("avx2,fma"))) void chain_scan_avx2(const float* x, int64_t begin,
+                                                         int64_t end, uint64_t& best_key,
+                                                         int32_t& any_nan) {
+  chain_scan_body(x, begin, end, best_key, any_nan);
+}
+
+void chain_scan_baseline(const float* x, int64_t begin, int64_t end, uint64_t& best_key,
+                         int32_t& any_nan) {
+  chain_scan_body(x, begin, end, best_key, any_nan);
+}
+
 }  // namespace
 
 void chain_tree_scan(const ChainTreeParams& p, int64_t item_begin, int64_t item_end) {
@@ -137,7 +249,11 @@ void chain_tree_scan(const ChainTreeParams& p, int64_t item_begin, int64_t item_
     int64_t begin, end;
     chain_part_range(p, item % p.parts, begin, end);
     const float* x = static_cast<const float*>(p.logits) + (item / p.parts) * p.vocab;
-    chain_scan_range(x, begin, end, p.best[item], p.nan[item]);
+    if (cpu_has_avx2_fma()) {
+      chain_scan_avx2(x, begin, end, p.best[item], p.nan[item]);
+    } else {
+      chain_scan_baseline(x, begin, end, p.best[item], p.nan[item]);
+    }
   }
 }
 
@@ -149,11 +265,11 @@ void chain_tree_write(const ChainTreeParams& p, int64_t b_begin, int64_t b_end) 
 }
 
 void tree_topk_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
-  std::vector<uint64_t> heap(p.k);
+  std::vector<uint64_t> buf(scratch_size(p.k));
   for (int64_t row = row_begin; row < row_end; ++row) {
     const TopkPartial acc =
-        topk_span(static_cast<const float*>(p.logits) + row * p.vocab, 0, p.vocab, p.k, heap.data());
-    write_row(heap.data(), acc.count, p.k, lse_of(acc), p.logprobs + row * p.k, p.ids + row * p.k);
+        topk_span(static_cast<const float*>(p.logits) + row * p.vocab, 0, p.vocab, p.k, buf.data());
+    write_row(buf.data(), acc.count, p.k, lse_of(acc), p.logprobs + row * p.k, p.ids + row * p.k);
   }
 }
 
@@ -166,12 +282,14 @@ int64_t tree_topk_parts(int64_t rows, int64_t vocab, int threads) {
 
 void tree_topk_partial(const TreeTopkParams& p, int64_t parts, int64_t item_begin,
                        int64_t item_end, TopkPartial* partial, uint64_t* keys) {
+  std::vector<uint64_t> buf(scratch_size(p.k));
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int64_t row = item / parts;
     const auto [begin, end] = part_range(p.vocab, parts, item % parts);
     const float* x = static_cast<const float*>(p.logits) + row * p.vocab;
     // topk_span indexes ids by absolute position: pass the row base, not the range base.
-    partial[item] = topk_span(x, begin, end, p.k, keys + item * p.k);
+    partial[item] = topk_span(x, begin, end, p.k, buf.data());
+    std::copy(buf.begin(), buf.begin() + partial[item].count, keys + item * p.k);
   }
 }
 

@@ -24,4 +24,32 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
 }
 
+// 2^t for t < 127, ~2.5e-7 relative error, for sums of exponentials (the log-sum-exp of tree_topk):
+// t = n + f with n = round(t) and f in [-0.5, 0.5]; 2^f by a degree-5 polynomial fitted for
+// relative error on [-0.5, 0.5] (weighted least squares with Lawson iterations, computed for this
+// project); 2^n through the exponent bits. t is clamped at -126 (2^-126 is far below a sum's ulp).
+// Fewer operations than exp_nonpositive (one multiply-add per degree, no range split).
+__attribute__((always_inline)) inline float exp2_bounded(float t) {
+  t = std::max(t, -126.0f);
+  const float fn = (t + 12582912.0f) - 12582912.0f;  // round(t)
+  const float f = t - fn;
+  float p = 1.32764715e-3f;
+  p = p * f + 9.67554133e-3f;
+  p = p * f + 5.55071327e-2f;
+  p = p * f + 2.40221197e-1f;
+  p = p * f + 6.93146967e-1f;
+  p = p * f + 1.00000007f;
+  const int32_t n = static_cast<int32_t>(fn);
+  return p * __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
+}
+
+constexpr float kLog2e = 1.44269504088896341f;
+
+// Whether this CPU runs the AVX2 + FMA builds of the hot loops (decided once, at run time: GCC's
+// target_clones dispatch tests the CPU model, not its features).
+inline bool cpu_has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
 }  // namespace ddtree::cpu
