@@ -7,8 +7,9 @@ baseline written here from the DDTree paper's algorithm, same inputs, same run:
   baseline chain: argmax -> cat(root, argmax) -> positions        (DFlash's chain)
   ddtree chain  : chain_to_tree (chain_tree -> tree_visibility)
 
-and `tree_topk` alone against one read of the same logits (torch.amax over them, same threads,
-same cache state) and the machine's measured read / copy bandwidth. Checks first that ddtree's
+and `tree_topk` alone against one read of the same logits: torch.amax over them (same threads, same
+cache state: small batches stay in the L3 cache) and bytes / the measured DRAM read bandwidth
+("/ DRAM"). Checks first that ddtree's
 build_tree gives the baseline's trees from the baseline's top-k, and how often the two top-k agree. Medians of repeats, warm-up excluded.
 
   python bench/bench_tree_step.py [--quick] [--json FILE]
@@ -66,7 +67,7 @@ def bandwidth(mib=512):
     return read, copy
 
 
-def run_case(batch, vocab, budgets, repeats):
+def run_case(batch, vocab, budgets, repeats, read_bw):
     g = torch.Generator().manual_seed(batch * 7 + vocab)
     logits = torch.randn(batch, L, vocab, generator=g) * 4
     roots = torch.randint(0, vocab, (batch,), generator=g)
@@ -93,6 +94,7 @@ def run_case(batch, vocab, budgets, repeats):
                          logits_mb=nbytes / 1e6, one_read_ms=1e3 * t_read,
                          topk_ms=1e3 * t_topk, topk_gbps=nbytes / t_topk / 1e9,
                          topk_over_one_read=t_topk / t_read,
+                         topk_over_bandwidth_read=t_topk / (nbytes / (read_bw * 1e9)),
                          ddtree_ms=1e3 * t_ours, baseline_ms=1e3 * t_base,
                          speedup=t_base / t_ours))
     chain, _ = ddtree.chain_to_tree(logits, roots, start)
@@ -119,17 +121,18 @@ def main():
     print(f"torch {torch.__version__}, {threads} threads, {platform.processor() or platform.machine()}; "
           f"L = {L}; measured bandwidth: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s")
     print(f"{'B':>3} {'V':>7} {'budget':>6} | {'baseline':>9} {'ddtree':>8} {'speed-up':>8} | "
-          f"{'tree_topk':>9} {'GB/s':>6} {'/ 1 read':>8} | same trees, top-k ids agree")
+          f"{'tree_topk':>9} {'GB/s':>6} {'/ 1 read':>8} {'/ DRAM':>6} | same trees, top-k ids agree")
     tree_rows, chain_rows = [], []
     for batch, vocab in cases:
         repeats = 3 if batch * vocab > 5_000_000 else 11
-        rows, chain_row = run_case(batch, vocab, budgets, repeats)
+        rows, chain_row = run_case(batch, vocab, budgets, repeats, read_bw)
         tree_rows += rows
         chain_rows.append(chain_row)
         for r in rows:
             print(f"{batch:>3} {vocab:>7} {r['budget']:>6} | {r['baseline_ms']:>7.2f}ms "
                   f"{r['ddtree_ms']:>6.2f}ms {r['speedup']:>7.1f}x | {r['topk_ms']:>7.2f}ms "
-                  f"{r['topk_gbps']:>6.1f} {r['topk_over_one_read']:>7.2f}x | {r['same_trees']}, "
+                  f"{r['topk_gbps']:>6.1f} {r['topk_over_one_read']:>7.2f}x "
+                  f"{r['topk_over_bandwidth_read']:>5.2f}x | {r['same_trees']}, "
                   f"{100 * r['topk_ids_agree']:.2f}%",
                   flush=True)
     print(f"\nchain mode (K = 1, no log-softmax): {'B':>3} {'V':>7} | argmax baseline | "
