@@ -1,6 +1,8 @@
 // Shared pieces of the ATen adapters: backends, argument checks, kernel launch + error mapping.
 #pragma once
 
+#include <tuple>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,6 +39,33 @@ void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntA
 
 // Index tensors as contiguous int64.
 inline at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
+
+// A DraftTree's outputs (build_tree, chain_tree): int64 [B, N] rows and num_nodes [B].
+struct DraftTreeTensors {
+  at::Tensor tokens, parents, depths, first_child, next_sibling, num_nodes;
+
+  DraftTreeTensors(int64_t batch, int64_t n, const at::TensorOptions& options) {
+    const auto opts = options.dtype(at::kLong);
+    for (at::Tensor* t : {&tokens, &parents, &depths, &first_child, &next_sibling})
+      *t = at::empty({batch, n}, opts);
+    num_nodes = at::empty({batch}, opts);
+  }
+
+  // Points the output fields of a params struct (BuildTreeParams, ChainTreeParams) at them.
+  template <class Params>
+  void point(Params& p) {
+    p.node_tokens = tokens.data_ptr<int64_t>();
+    p.parents = parents.data_ptr<int64_t>();
+    p.depths = depths.data_ptr<int64_t>();
+    p.first_child = first_child.data_ptr<int64_t>();
+    p.next_sibling = next_sibling.data_ptr<int64_t>();
+    p.num_nodes = num_nodes.data_ptr<int64_t>();
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
+    return {tokens, parents, depths, first_child, next_sibling, num_nodes};
+  }
+};
 void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like);
 

@@ -110,11 +110,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
   const Tensor lp = logprobs.contiguous(), id = as_long(ids), roots = as_long(root_tokens);
   if (should_validate_values(logprobs)) check_build_values(op, lp, id, budgets, budget);
 
-  const int64_t N = budget + 1;
-  const auto opts = logprobs.options().dtype(at::kLong);
-  Tensor tokens = at::empty({B, N}, opts), parents = at::empty({B, N}, opts);
-  Tensor depths = at::empty({B, N}, opts), first_child = at::empty({B, N}, opts);
-  Tensor next_sibling = at::empty({B, N}, opts), num_nodes = at::empty({B}, opts);
+  DraftTreeTensors out(B, budget + 1, logprobs.options());
   BuildTreeParams p;
   p.logq = lp.data_ptr<float>();
   p.ids = id.data_ptr<int64_t>();
@@ -124,14 +120,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
   p.depth = L;
   p.k = K;
   p.budget = budget;
-  p.node_tokens = tokens.data_ptr<int64_t>();
-  p.parents = parents.data_ptr<int64_t>();
-  p.depths = depths.data_ptr<int64_t>();
-  p.first_child = first_child.data_ptr<int64_t>();
-  p.next_sibling = next_sibling.data_ptr<int64_t>();
-  p.num_nodes = num_nodes.data_ptr<int64_t>();
+  out.point(p);
   run_op<kBackend>(op, kBuildKernels, p, logprobs, B, 1);
-  return {tokens, parents, depths, first_child, next_sibling, num_nodes};
+  return out.tuple();
 }
 
 // ---- verify_greedy ----

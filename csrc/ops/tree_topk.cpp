@@ -32,6 +32,27 @@ int64_t split_parts(Backend backend, const Tensor& on, int64_t rows, int64_t voc
   return std::max<int64_t>(1, std::min({want, vocab / min_part, int64_t{64}}));
 }
 
+// Shape / dtype checks of draft logits [B, L, V].
+void check_logits(const char* op, const Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 3, op, ": logits must be a 3-D tensor [B, L, V], got shape ",
+              logits.sizes());
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": logits must be float32, bfloat16 or float16, got ", dtype);
+}
+
+// The logits as the kernels read them: float32 rows on CPU, the tensor's own dtype (set in
+// `dtype`) on the device and in the emulator. Keep the returned tensor alive during the launch.
+template <Backend kBackend>
+Tensor kernel_logits(const Tensor& logits, LogitsDtype& dtype) {
+  if constexpr (kBackend == Backend::kCpu) {
+    dtype = LogitsDtype::kFloat32;
+    return logits.to(at::kFloat).contiguous();
+  }
+  dtype = logits_dtype(logits.scalar_type());
+  return logits.contiguous();
+}
+
 #ifdef DDTREE_WITH_CUDA
 int64_t gpu_topk_max_parts(int64_t k) { return gpu::tree_topk_max_parts(k); }
 #else
@@ -41,11 +62,7 @@ int64_t gpu_topk_max_parts(int64_t) { return 1; }
 template <Backend kBackend>
 std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
   constexpr const char* op = "tree_topk";
-  TORCH_CHECK(logits.dim() == 3, op, ": logits must be a 3-D tensor [B, L, V], got shape ",
-              logits.sizes());
-  const auto dtype = logits.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": logits must be float32, bfloat16 or float16, got ", dtype);
+  check_logits(op, logits);
   const int64_t B = logits.size(0), L = logits.size(1), V = logits.size(2);
   TORCH_CHECK(V < (int64_t{1} << 31), op, ": vocabulary of ", V, " tokens is too large");
   TORCH_CHECK(k >= 0 && k <= kMaxK, op, ": k must be in [0, ", kMaxK, "], got ", k);
@@ -60,13 +77,7 @@ std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
   p.k = k;
   p.logprobs = logprobs.data_ptr<float>();
   p.ids = ids.data_ptr<int64_t>();
-  Tensor source;
-  if constexpr (kBackend == Backend::kCpu) {
-    source = logits.to(at::kFloat).contiguous();  // the CPU rows read float32
-  } else {
-    source = logits.contiguous();
-    p.dtype = logits_dtype(dtype);
-  }
+  const Tensor source = kernel_logits<kBackend>(logits, p.dtype);
   p.logits = source.data_ptr();
   if constexpr (kBackend == Backend::kCpu) {
     // Few rows (batch 1: L = 15): split each row over the threads, then merge the parts.
@@ -108,11 +119,7 @@ template <Backend kBackend>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chain_tree(const Tensor& logits,
                                                                       const Tensor& root_tokens) {
   constexpr const char* op = "chain_tree";
-  TORCH_CHECK(logits.dim() == 3, op, ": logits must be a 3-D tensor [B, L, V], got shape ",
-              logits.sizes());
-  const auto dtype = logits.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": logits must be float32, bfloat16 or float16, got ", dtype);
+  check_logits(op, logits);
   const int64_t B = logits.size(0), L = logits.size(1), V = logits.size(2);
   TORCH_CHECK(V >= 1 && V < (int64_t{1} << 31), op, ": vocabulary size V must be in [1, 2^31), got ",
               V);
@@ -120,35 +127,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chain_tree(const Tens
   check_shape(op, "root_tokens", root_tokens, {B}, "[B]");
   check_same_device(op, "root_tokens", root_tokens, logits);
   const auto opts = logits.options().dtype(at::kLong);
-  Tensor tokens = at::empty({B, L + 1}, opts), parents = at::empty({B, L + 1}, opts);
-  Tensor depths = at::empty({B, L + 1}, opts), first_child = at::empty({B, L + 1}, opts);
-  Tensor next_sibling = at::empty({B, L + 1}, opts), num_nodes = at::empty({B}, opts);
-  if (B == 0) return {tokens, parents, depths, first_child, next_sibling, num_nodes};
+  DraftTreeTensors out(B, L + 1, opts);
+  if (B == 0) return out.tuple();
   const Tensor roots = as_long(root_tokens);
   ChainTreeParams p;
   p.batch = B;
   p.depth = L;
   p.vocab = V;
   p.parts = split_parts(kBackend, logits, B * L, V);
-  Tensor source;
-  if constexpr (kBackend == Backend::kCpu) {
-    source = logits.to(at::kFloat).contiguous();  // the CPU scan reads float32
-  } else {
-    source = logits.contiguous();
-    p.dtype = logits_dtype(dtype);
-  }
+  const Tensor source = kernel_logits<kBackend>(logits, p.dtype);
   p.logits = source.data_ptr();
   Tensor best = at::empty({B * L * p.parts}, opts);
   Tensor nan = at::empty({B * L * p.parts}, opts.dtype(at::kInt));
   p.best = reinterpret_cast<uint64_t*>(best.data_ptr<int64_t>());
   p.nan = nan.data_ptr<int32_t>();
   p.root_tokens = roots.data_ptr<int64_t>();
-  p.node_tokens = tokens.data_ptr<int64_t>();
-  p.parents = parents.data_ptr<int64_t>();
-  p.depths = depths.data_ptr<int64_t>();
-  p.first_child = first_child.data_ptr<int64_t>();
-  p.next_sibling = next_sibling.data_ptr<int64_t>();
-  p.num_nodes = num_nodes.data_ptr<int64_t>();
+  out.point(p);
   if constexpr (kBackend == Backend::kCpu) {
     at::parallel_for(0, B * L * p.parts, 1,
                      [&](int64_t begin, int64_t end) { cpu::chain_tree_scan(p, begin, end); });
@@ -156,7 +150,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chain_tree(const Tens
   } else {
     run_op<kBackend>(op, kChainKernels, p, logits, 1, 1);
   }
-  return {tokens, parents, depths, first_child, next_sibling, num_nodes};
+  return out.tuple();
 }
 
 template <Backend kBackend>
