@@ -89,6 +89,10 @@ def run_case(batch, vocab, budgets, repeats, read_bw):
         t_topk = median_time(lambda: ddtree.tree_topk(logits, k), repeats)
         t_ours = median_time(lambda: ddtree.draft_to_tree(logits, roots, budget, start=start), repeats)
         t_base = median_time(lambda: baseline_tree(logits, roots, budget), repeats)
+        # The tree-building step alone, same top-k inputs: build_tree (value checks on) against
+        # the heap from Python lists (tolist included, as the baseline needs it).
+        t_build = median_time(lambda: ddtree.build_tree(base_lp, base_ids, roots, budget), 5 * repeats)
+        t_heap = median_time(lambda: baseline_heap(base_lp, base_ids, roots, budget), 5 * repeats)
         rows.append(dict(batch=batch, vocab=vocab, budget=budget, same_trees=same,
                          topk_ids_agree=ids_agree, topk_max_abs_err=lp_err,
                          logits_mb=nbytes / 1e6, one_read_ms=1e3 * t_read,
@@ -96,6 +100,7 @@ def run_case(batch, vocab, budgets, repeats, read_bw):
                          topk_over_one_read=t_topk / t_read,
                          topk_over_bandwidth_read=t_topk / (nbytes / (read_bw * 1e9)),
                          ddtree_ms=1e3 * t_ours, baseline_ms=1e3 * t_base,
+                         build_tree_us=1e6 * t_build, heap_us=1e6 * t_heap,
                          speedup=t_base / t_ours))
     chain, _ = ddtree.chain_to_tree(logits, roots, start)
     tokens, _ = baseline_chain(logits, roots, start)
@@ -121,7 +126,8 @@ def main():
     print(f"torch {torch.__version__}, {threads} threads, {platform.processor() or platform.machine()}; "
           f"L = {L}; measured bandwidth: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s")
     print(f"{'B':>3} {'V':>7} {'budget':>6} | {'baseline':>9} {'ddtree':>8} {'speed-up':>8} | "
-          f"{'tree_topk':>9} {'GB/s':>6} {'/ 1 read':>8} {'/ DRAM':>6} | same trees, top-k ids agree")
+          f"{'tree_topk':>9} {'GB/s':>6} {'/ 1 read':>8} {'/ DRAM':>6} | build_tree / heap us | "
+          f"same trees, top-k ids agree")
     tree_rows, chain_rows = [], []
     for batch, vocab in cases:
         repeats = 3 if batch * vocab > 5_000_000 else 11
@@ -132,7 +138,8 @@ def main():
             print(f"{batch:>3} {vocab:>7} {r['budget']:>6} | {r['baseline_ms']:>7.2f}ms "
                   f"{r['ddtree_ms']:>6.2f}ms {r['speedup']:>7.1f}x | {r['topk_ms']:>7.2f}ms "
                   f"{r['topk_gbps']:>6.1f} {r['topk_over_one_read']:>7.2f}x "
-                  f"{r['topk_over_bandwidth_read']:>5.2f}x | {r['same_trees']}, "
+                  f"{r['topk_over_bandwidth_read']:>5.2f}x | {r['build_tree_us']:>7.1f} / "
+                  f"{r['heap_us']:>8.1f} | {r['same_trees']}, "
                   f"{100 * r['topk_ids_agree']:.2f}%",
                   flush=True)
     print(f"\nchain mode (K = 1, no log-softmax): {'B':>3} {'V':>7} | argmax baseline | "

@@ -25,6 +25,15 @@ DDTREE_HOST_DEVICE float load_logit(const TreeTopkParams& p, int64_t row, int64_
   return load_elem(p.logits, p.dtype, row * p.vocab + v);
 }
 
+// Vocabulary range [begin, end) of part `part` when a row of `vocab` values is split into `parts`
+// equal ranges (tree_topk's and chain_tree's split rows, CPU and GPU).
+DDTREE_HOST_DEVICE void vocab_part_range(int64_t vocab, int64_t parts, int64_t part,
+                                         int64_t& begin, int64_t& end) {
+  const int64_t size = ceil_div(vocab, parts);
+  begin = part * size < vocab ? part * size : vocab;
+  end = begin + size < vocab ? begin + size : vocab;
+}
+
 // Selection key: a larger key is a better candidate (higher logit, then lower id). Ids are
 // < 2^32; key 0 is never produced for a real token (NaN logits get high word 0, low word ~id).
 DDTREE_HOST_DEVICE uint64_t topk_key(float x, int64_t id) {
@@ -85,14 +94,6 @@ struct ChainTreeParams {
   int64_t* next_sibling = nullptr;  // [B, L + 1]
   int64_t* num_nodes = nullptr;     // [B]
 };
-
-// Vocabulary range [begin, end) of part `part` of a row.
-DDTREE_HOST_DEVICE void chain_part_range(const ChainTreeParams& p, int64_t part, int64_t& begin,
-                                         int64_t& end) {
-  const int64_t size = (p.vocab + p.parts - 1) / p.parts;
-  begin = part * size < p.vocab ? part * size : p.vocab;
-  end = begin + size < p.vocab ? begin + size : p.vocab;
-}
 
 // Number of valid leading depths of request b, from the workspace of every range.
 DDTREE_HOST_DEVICE int64_t chain_length(const ChainTreeParams& p, int64_t b) {

@@ -61,6 +61,16 @@ inline void keep_best(uint64_t* buf, int64_t n, int64_t k) {
   std::nth_element(buf, buf + k - 1, buf + n, std::greater<uint64_t>());
 }
 
+// Adds a (max, sum of exp(x - max)) pair to acc: the sum taken to the larger max (rescaling the
+// side whose max is smaller). Used for a block against the running max and for merging parts.
+void add_lse(TopkPartial& acc, float max, double sum) {
+  if (max > acc.max) {
+    if (acc.sum > 0.0) acc.sum *= std::exp(static_cast<double>(acc.max) - max);
+    acc.max = max;
+  }
+  if (sum > 0.0 && acc.max < kInf) acc.sum += sum * std::exp(static_cast<double>(max) - acc.max);
+}
+
 // One pass over x[begin, end): per block of kBlock values, the block max and its exp-sum against
 // the running max in one loop (the sum rescaled when the max grows), then the top-k test.
 // Candidates that beat the k-th best key so far (`bar`) are appended to buf; when it fills up
@@ -103,34 +113,29 @@ __attribute__((always_inline)) inline TopkPartial topk_span_body(const float* x,
       }
     }
     acc.nan |= nan;
-    if (finite_max && bm <= m + kExpHeadroom) {  // the exps stayed in range: rescale if needed
-      acc.sum += block;
-      if (bm > m) {
-        acc.sum *= std::exp(static_cast<double>(m) - bm);
-        acc.max = bm;
-      }
-    } else {  // the first finite block, or the max jumped: the block against its own max
-      if (bm > acc.max) {
-        if (acc.sum > 0.0) acc.sum *= std::exp(static_cast<double>(acc.max) - bm);
-        acc.max = bm;
-      }
-      const float m2 = acc.max;
-      if (m2 > -kInf && m2 < kInf) {
-        block = 0.f;
+    if (!(finite_max && bm <= m + kExpHeadroom)) {
+      // The first finite block, or the max jumped: the block's exps against its own max.
+      block = 0.f;
+      if (bm > -kInf && bm < kInf) {
 #pragma omp simd reduction(+ : block)
-        for (int64_t v = v0; v < stop; ++v) block += exp2_bounded((x[v] - m2) * kLog2e);
-        acc.sum += block;
+        for (int64_t v = v0; v < stop; ++v) block += exp2_bounded((x[v] - bm) * kLog2e);
       }
+      add_lse(acc, bm, block);
+    } else if (bm > m) {  // exps against the old max, in range: the pair (m, block) is exact
+      add_lse(acc, m, block);
+      add_lse(acc, bm, 0.0);
+    } else {
+      acc.sum += block;
     }
     const int64_t from = std::max(v0, first);
     if (from >= stop || k == 0) continue;
     // A value equal to bar's loses (its id is larger), so only values above bar's can enter;
     // a NaN / empty bar (high word 0) lets every value be tested on whole keys.
     const bool real_bar = (bar >> 32) != 0;
-    if (real_bar && !(bm > topk_key_value(bar))) continue;
+    const float bar_value = real_bar ? topk_key_value(bar) : -kInf;
+    if (real_bar && !(bm > bar_value)) continue;
     int64_t n;
     if (real_bar) {
-      const float bar_value = topk_key_value(bar);
       if constexpr (kAvx2) {
         n = values_above_avx2(x, from, stop, bar_value, idx);
       } else {
@@ -194,11 +199,6 @@ void write_row(uint64_t* keys, int64_t n, int64_t k, float lse, float* lp_out, i
   }
 }
 
-std::pair<int64_t, int64_t> part_range(int64_t vocab, int64_t parts, int64_t part) {
-  const int64_t size = (vocab + parts - 1) / parts;
-  return {std::min(vocab, part * size), std::min(vocab, (part + 1) * size)};
-}
-
 // Best key (highest value, then lowest id; 0 = no non-NaN value) and NaN flag of x[begin, end)
 // in one pass: a vectorised max per block, the block rescanned only when it raises the best.
 __attribute__((always_inline)) inline void chain_scan_body(const float* x, int64_t begin,
@@ -247,7 +247,7 @@ void chain_scan_baseline(const float* x, int64_t begin, int64_t end, uint64_t& b
 void chain_tree_scan(const ChainTreeParams& p, int64_t item_begin, int64_t item_end) {
   for (int64_t item = item_begin; item < item_end; ++item) {
     int64_t begin, end;
-    chain_part_range(p, item % p.parts, begin, end);
+    vocab_part_range(p.vocab, p.parts, item % p.parts, begin, end);
     const float* x = static_cast<const float*>(p.logits) + (item / p.parts) * p.vocab;
     if (cpu_has_avx2_fma()) {
       chain_scan_avx2(x, begin, end, p.best[item], p.nan[item]);
@@ -285,7 +285,8 @@ void tree_topk_partial(const TreeTopkParams& p, int64_t parts, int64_t item_begi
   std::vector<uint64_t> buf(scratch_size(p.k));
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int64_t row = item / parts;
-    const auto [begin, end] = part_range(p.vocab, parts, item % parts);
+    int64_t begin, end;
+    vocab_part_range(p.vocab, parts, item % parts, begin, end);
     const float* x = static_cast<const float*>(p.logits) + row * p.vocab;
     // topk_span indexes ids by absolute position: pass the row base, not the range base.
     partial[item] = topk_span(x, begin, end, p.k, buf.data());
@@ -302,11 +303,7 @@ void tree_topk_merge(const TreeTopkParams& p, int64_t parts, int64_t row_begin, 
     for (int64_t j = 0; j < parts; ++j) {
       const TopkPartial& a = partial[row * parts + j];
       total.nan |= a.nan;
-      if (a.max > total.max) {
-        if (total.sum > 0.0) total.sum *= std::exp(static_cast<double>(total.max) - a.max);
-        total.max = a.max;
-      }
-      if (a.sum > 0.0 && total.max < kInf) total.sum += a.sum * std::exp(static_cast<double>(a.max) - total.max);
+      add_lse(total, a.max, a.sum);
       const uint64_t* k = keys + (row * parts + j) * p.k;
       all.insert(all.end(), k, k + a.count);
     }

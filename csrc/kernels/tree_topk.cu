@@ -63,14 +63,6 @@ __device__ LseAccumulator block_lse(LseAccumulator a, LseAccumulator* partial) {
   return total;
 }
 
-// Vocabulary range of part `part` of a row (parts split the row evenly).
-__device__ void topk_part_range(const TreeTopkParams& p, int64_t part, int64_t& begin,
-                                int64_t& end) {
-  const int64_t size = (p.vocab + p.parts - 1) / p.parts;
-  begin = part * size < p.vocab ? part * size : p.vocab;
-  end = begin + size < p.vocab ? begin + size : p.vocab;
-}
-
 // One block per (row, part) item: with parts == 1 a whole row, written to the outputs; else one
 // vocabulary range, whose best k keys and (max, sum) go to the workspace for the merge kernel.
 __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkParams p, int cap) {
@@ -83,7 +75,7 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
   for (int64_t item = blockIdx.x; item < p.rows * p.parts; item += gridDim.x) {
     const int64_t row = item / p.parts;
     int64_t begin, end;
-    topk_part_range(p, item % p.parts, begin, end);
+    vocab_part_range(p.vocab, p.parts, item % p.parts, begin, end);
     if (threadIdx.x == 0) {
       count = 0;
       full = 0;
@@ -162,7 +154,7 @@ __global__ void __launch_bounds__(kTopkThreads) chain_scan_kernel(const ChainTre
   __shared__ int32_t warp_nan[kTopkThreads / 32];
   const int64_t item = blockIdx.x;
   int64_t begin, end;
-  chain_part_range(p, item % p.parts, begin, end);
+  vocab_part_range(p.vocab, p.parts, item % p.parts, begin, end);
   const int64_t row = item / p.parts;
   uint64_t best = 0;
   int32_t nan = 0;

@@ -242,22 +242,17 @@ class DrafterRecipe:
 def greedy_sequences(target, prompts: torch.Tensor, gen_len: int, batch: int = 64,
                      quiet: bool = False) -> torch.Tensor:
     """prompts [N, P] followed by the target's greedy continuation of gen_len tokens: [N, P + gen_len]
-    (end-of-text is not special here: the continuation just goes on)."""
+    (transformers' generate; end-of-text is not a stop here: the continuation just goes on)."""
     from tqdm import tqdm
-    from transformers import DynamicCache
 
     device = target.get_input_embeddings().weight.device
     out = []
     for i in tqdm(range(0, prompts.shape[0], batch), desc="greedy data", disable=quiet):
         x = prompts[i:i + batch].to(device)
-        cache = DynamicCache(config=target.config)
-        logits = target(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]
-        seq = [x]
-        for _ in range(gen_len):
-            nxt = logits.argmax(-1, keepdim=True)
-            seq.append(nxt)
-            logits = target(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
-        out.append(torch.cat(seq, 1).cpu())
+        seq = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen_len,
+                              min_new_tokens=gen_len, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        out.append(seq.cpu())
     return torch.cat(out)
 
 
