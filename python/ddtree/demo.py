@@ -108,6 +108,8 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
                          forwards=rounds + len(rs),  # + one prefill per prompt
                          tau=sum(sum(r.acceptance_lengths) for r in rs) / max(1, rounds),
                          tokens_per_second=tokens / seconds, seconds=seconds,
+                         ms_per_round={k: round(1e3 * sum(r.stage_seconds[k] for r in rs)
+                                                / max(1, rounds), 2) for k in rs[0].stage_seconds},
                          identical=all(r.tokens == a.tokens
                                        for r, a in zip(rs, results["autoregressive"]))))
     log(f"\nEmbedded pair: hybrid Qwen3.5-text target (3 Gated DeltaNet + 1 attention layer, "
