@@ -1,8 +1,8 @@
 """GPU loop benchmark (run by bench/gpu_check.sh): random-weight bf16 targets — a dense
 Qwen3-architecture one and a hybrid Qwen3.5-architecture one (Gated DeltaNet + attention) — on
-the tree_attention implementation, with a random DFlash drafter; tokens/s and per-stage times of
-autoregressive decoding and of tree verification on transformers' DynamicCache, on the static
-cache (eager) and with cuda_graph=True, same prompts, outputs checked equal to autoregressive.
+the tree_attention implementation, with a random DFlash drafter; tokens/s and per-stage times
+(synchronised) of autoregressive decoding, of chain and tree rounds run eagerly and (on a GPU)
+with cuda_graph=True, same prompts, outputs checked equal to autoregressive.
 Random weights give short acceptances: the numbers compare step costs, not a real drafter's
 speed-up."""
 import argparse
@@ -52,13 +52,13 @@ def run_model(dims, device, dtype, hybrid, new_tokens):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, dims["vocab"] - 1, (n,), generator=g).to(device)
                for n in (200, 57, 513, 31)]
-    graph = dict(cuda_graph=True) if device == "cuda" else dict(static_cache=True)
+    runs = [("autoregressive", dict(mode="autoregressive")), ("chain", dict(mode="chain")),
+            ("tree 64", dict(mode="tree", budget=64))]
+    if device == "cuda":
+        runs += [("chain cuda_graph", dict(mode="chain", cuda_graph=True)),
+                 ("tree 64 cuda_graph", dict(mode="tree", budget=64, cuda_graph=True))]
     rows, reference = [], None
-    for name, kw in (("autoregressive", dict(mode="autoregressive")),
-                     ("tree dynamic cache", dict(mode="tree", budget=64, static_cache=False)),
-                     ("tree static cache", dict(mode="tree", budget=64, static_cache=True)),
-                     ("tree cuda_graph" if device == "cuda" else "tree static (again)",
-                      dict(mode="tree", budget=64, **graph))):
+    for name, kw in runs:
         generate_batch(target, drafter, prompts[:1], 8, **kw)  # warm-up
         sync()
         start = time.perf_counter()
@@ -88,7 +88,7 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--smoke-cpu", action="store_true",
-                        help="tiny fp32 model on CPU, static_cache instead of the graph (checks the script)")
+                        help="tiny fp32 model on CPU, no CUDA graphs (checks the script)")
     args = parser.parse_args()
     if args.smoke_cpu:
         device, dtype, dims = "cpu", torch.float32, dict(layers=4, hidden=64, heads=4, kv_heads=2,

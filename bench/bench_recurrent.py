@@ -1,6 +1,8 @@
 """Tree Gated DeltaNet + tree short conv (CPU): ddtree ops against running the chain oracle
 (transformers' torch_recurrent_gated_delta_rule / causal_conv1d_update) on every node's path,
-same run. Also reports the op's scratch bytes next to one-state-per-node storage.
+same run. Also reports the op's scratch bytes next to one-state-per-node storage, and the commit
+of every GDN layer in one commit_recurrent_layers_ call against one commit_recurrent_ call per
+layer (same inputs, same run).
 Usage: python bench/bench_recurrent.py [--json FILE]
 """
 import argparse
@@ -66,6 +68,36 @@ def run(budget, hk, hv, dk, dv):
                 scratch_bytes=scratch, per_node_state_bytes=per_node)
 
 
+def run_commit(layers, batch, hk, hv, dk, dv, accept, width=4, n=65):
+    """commit_recurrent_layers_ (one call) vs commit_recurrent_ per layer, Qwen3.5-like shapes."""
+    g = torch.Generator().manual_seed(2)
+    channels = 2 * hk * dk + hv * dv
+    per = []
+    for _ in range(layers):
+        per.append((torch.randn(batch, hv, dk, dv, generator=g),
+                    torch.randn(batch, channels, width, generator=g),
+                    torch.randn(batch, n, hk, dk, generator=g), torch.randn(batch, n, hv, dv, generator=g),
+                    -torch.rand(batch, n, hv, generator=g), torch.rand(batch, n, hv, generator=g),
+                    torch.randn(batch, n, channels, generator=g)))
+    slots = torch.arange(batch)
+    accepted = torch.full((batch, 16), -1, dtype=torch.long)
+    accepted[:, :accept] = torch.arange(accept)
+    lengths = torch.full((batch,), accept)
+    lists = list(zip(*per))
+
+    def one_call():
+        ddtree.ops.commit_recurrent_layers_(*lists[:2], slots, *lists[2:], accepted, lengths)
+
+    def per_layer():
+        for st, cs, k, v, gt, bt, x in per:
+            ddtree.commit_recurrent_(st, cs, slots, k, v, gt, bt, x, accepted, lengths)
+
+    with ddtree.validation(False):
+        t_one, t_per = median_time(one_call, 5), median_time(per_layer, 5)
+    return dict(layers=layers, batch=batch, hv=hv, dk=dk, dv=dv, accept=accept,
+                one_call_ms=1e3 * t_one, per_layer_ms=1e3 * t_per, speedup=t_per / t_one)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -83,9 +115,17 @@ def main():
             print(f"{budget:>6} {r['depth']:>5} {f'{hv}x{dk}x{dv}':>14} | {r['oracle_ms']:>7.0f}ms "
                   f"{r['ours_ms']:>7.1f}ms {r['speedup']:>5.0f}x | {r['scratch_bytes'] / 2**20:>7.1f}MiB "
                   f"{r['per_node_state_bytes'] / 2**20:>13.1f}MiB | {r['max_abs_err']:.1e}", flush=True)
+    print("commit of every GDN layer (validation off, as in the loop):")
+    commits = []
+    for layers, batch in ((24, 1), (24, 8), (48, 4)):
+        r = run_commit(layers, batch, hk=4, hv=8, dk=128, dv=128, accept=6)
+        commits.append(r)
+        print(f"  {layers} layers, B={batch}, Hv 8 x 128 x 128, 6 accepted: one commit_recurrent_layers_ "
+              f"{r['one_call_ms']:.2f} ms vs commit_recurrent_ per layer {r['per_layer_ms']:.2f} ms "
+              f"({r['speedup']:.2f}x)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(dict(tree_gdn=rows, commit_layers=commits), f, indent=1)
 
 
 if __name__ == "__main__":

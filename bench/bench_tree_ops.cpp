@@ -59,7 +59,7 @@ int main() {
       ChainTreeParams p;
       p.logits = x.data();
       p.batch = batch;
-      p.depth = 15;
+      p.levels = 15;
       p.vocab = vocab;
       p.root_tokens = roots.data();
       p.best = reinterpret_cast<uint64_t*>(best.data());

@@ -61,7 +61,7 @@ inline BuildTreeParams build_params(DraftTopk& d, int64_t budget, TreeOutputs& o
   p.ids = d.ids.data();
   p.root_tokens = d.roots.data();
   p.batch = d.batch;
-  p.depth = d.depth;
+  p.levels = d.depth;
   p.k = d.k;
   p.budget = budget;
   p.node_tokens = out.tokens.data();

@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_validation", &ddtree::set_validation, "Turn value checks of op inputs on or off");
   m.def("validation_enabled", &ddtree::validation_enabled);
   m.def("emulator_context_switches", &ddtree::simt::context_switches);
+  m.def("emulator_grids_run", &ddtree::simt::grids_run);
   m.def("set_emulator_max_dynamic_smem",
         [](size_t bytes) { ddtree::simt::options().max_dynamic_smem = bytes; });
   m.def("emulator_max_dynamic_smem", [] { return ddtree::simt::options().max_dynamic_smem; });

@@ -49,32 +49,41 @@ def greedy_reference(target, ids, n):
     return out[0, ids.shape[1]:].tolist()
 
 
-class OracleDrafter:
-    """Proposes the target's true continuation at each depth with probability `hit`, a random
-    wrong token otherwise, plus noise so that the tree has alternatives: long partial acceptances
-    through the tree, deep commits."""
+class BatchOracle:
+    """A test drafter (the ddtree.generate.Drafter protocol) that proposes each request's true
+    continuation at each depth with probability `hit`, a random wrong token otherwise, plus noise
+    so that the tree has alternatives: long partial acceptances through the tree, deep commits.
+    It tracks each request's position from the verdicts (a host read; a test double)."""
 
-    def __init__(self, truth, prompt_len, block_size=8, hit=0.8, seed=0):
-        self.truth, self.prompt_len, self.block_size = truth, prompt_len, block_size
+    def __init__(self, truths, prompt_lens, block_size=8, hit=0.8, seed=0, device="cpu"):
+        self.truths, self.block_size, self.hit, self.device = truths, block_size, hit, device
         self.g = torch.Generator().manual_seed(seed)
-        self.hit = hit
-        self.emitted = 1  # the prefill's bonus
 
-    def new_cache(self):
-        return {"length": 0}
+    def check_target(self, target):
+        pass
 
-    def target_features(self, hidden_states):
-        return hidden_states[-1]
+    def begin(self, target, prompt_hidden_states, capacity, cuda_graph=False):
+        self.at = [0] * len(self.truths)  # index in truth of each request's bonus token
+        return self
 
-    def propose(self, target, bonus, features, cache):
-        cache["length"] += features.shape[1]
-        start = cache["length"] - self.prompt_len  # index in truth of the bonus token
-        logits = torch.randn(1, self.block_size - 1, VOCAB, generator=self.g)
-        for j in range(self.block_size - 1):
-            at = start + 1 + j
-            if at < len(self.truth) and torch.rand(1, generator=self.g).item() < self.hit:
-                logits[0, j, self.truth[at]] += 6.0
-        return logits
+    def step(self, bonus):
+        rows = []
+        for truth, start in zip(self.truths, self.at):
+            logits = torch.randn(1, self.block_size - 1, VOCAB, generator=self.g)
+            for j in range(self.block_size - 1):
+                at = start + 1 + j
+                if at < len(truth) and torch.rand(1, generator=self.g).item() < self.hit:
+                    logits[0, j, truth[at]] += 6.0
+            rows.append(logits)
+        return torch.cat(rows).to(self.device)
+
+    def commit(self, hidden_states, verdict):
+        self.at = [a + n for a, n in zip(self.at, verdict.accept_len.tolist())]
+
+
+class OracleDrafter(BatchOracle):
+    def __init__(self, truth, prompt_len, **kw):
+        super().__init__([truth], [prompt_len], **kw)
 
 
 PROMPTS = [[5, 17, 42], [1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]]
@@ -130,21 +139,18 @@ def test_streaming_and_statistics():
     assert got.tokens_per_second > 0
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-verify-step"])
-def test_sampling_mode_runs_and_is_reproducible(static):
+@pytest.mark.parametrize("tree_attention", [False, True], ids=["sdpa", "tree-attention"])
+def test_sampling_mode_runs_and_is_reproducible(tree_attention):
     from ddtree import hf
 
     target = tiny_target()
-    if static:
+    if tree_attention:
         hf.use_tree_attention(target)
     drafter = tiny_drafter()
     ids = torch.tensor([PROMPTS[0]])
-    a = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4,
-                 static_cache=static)
-    b = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4,
-                 static_cache=static)
-    c = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=5,
-                 static_cache=static)
+    a = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4)
+    b = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=4)
+    c = generate(target, drafter, ids, 12, temperature=0.8, top_k=20, top_p=0.9, seed=5)
     assert a.tokens == b.tokens and len(a.tokens) == 12
     assert c.tokens != a.tokens  # the seed matters
 
@@ -254,10 +260,8 @@ def test_sampling_is_distributed_as_target_sampling():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-@pytest.mark.parametrize("static", [None, False], ids=["static-cache-auto", "dynamic-cache"])
-def test_lossless_with_the_tree_attention_implementation(kind, static, monkeypatch):
-    """The "ddtree" attention (tree_attention on packed rows, no dense mask) in the loop, on the
-    static cache it selects by default and on transformers' DynamicCache."""
+def test_lossless_with_the_tree_attention_implementation(kind, monkeypatch):
+    """The "ddtree" attention (tree_attention on packed rows, no dense mask) in the loop."""
     from ddtree import hf
 
     calls = []
@@ -269,10 +273,9 @@ def test_lossless_with_the_tree_attention_implementation(kind, static, monkeypat
     for p, prompt in enumerate(PROMPTS):
         ids = torch.tensor([prompt])
         truth = greedy_reference(target, ids, 40)
-        got = generate(target, OracleDrafter(truth, len(prompt), seed=p), ids, 40, budget=16,
-                       static_cache=static)
+        got = generate(target, OracleDrafter(truth, len(prompt), seed=p), ids, 40, budget=16)
         assert got.tokens == truth and got.tau > 2
-        got = generate(target, tiny_drafter(), ids, 20, budget=16, static_cache=static)
+        got = generate(target, tiny_drafter(), ids, 20, budget=16)
         assert got.tokens == truth[:20]
     assert len(calls) >= LAYERS  # verification went through the tree_attention op
 
@@ -382,33 +385,6 @@ def test_hybrid_with_tree_attention_and_stop_token(monkeypatch):
     assert got.tokens == truth[: truth.index(stop) + 1]
 
 
-class BatchOracle:
-    """OracleDrafter for a batch: caches are created in request order, each knows its truth."""
-
-    def __init__(self, truths, prompt_lens, block_size=8, hit=0.8, seed=0):
-        self.truths, self.prompt_lens, self.block_size, self.hit = truths, prompt_lens, block_size, hit
-        self.g = torch.Generator().manual_seed(seed)
-        self.made = 0
-
-    def new_cache(self):
-        self.made += 1
-        return {"length": 0, "request": self.made - 1}
-
-    def target_features(self, hidden_states):
-        return hidden_states[-1]
-
-    def propose(self, target, bonus, features, cache):
-        cache["length"] += features.shape[1]
-        truth = self.truths[cache["request"]]
-        start = cache["length"] - self.prompt_lens[cache["request"]]
-        logits = torch.randn(1, self.block_size - 1, VOCAB, generator=self.g)
-        for j in range(self.block_size - 1):
-            at = start + 1 + j
-            if at < len(truth) and torch.rand(1, generator=self.g).item() < self.hit:
-                logits[0, j, truth[at]] += 6.0
-        return logits
-
-
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_5"])
 @pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
 def test_lossless_batch_with_different_prompt_lengths_and_budgets(kind, mode):
@@ -458,30 +434,29 @@ def test_batch_bad_input():
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
-def test_lossless_on_the_static_verify_path(mode, monkeypatch):
-    """The fixed-shape verify step that cuda_graph=True captures (transformers' StaticCache,
-    static buffers, tree start and write offset as device tensors), run eagerly on CPU: a batch of
-    different prompt lengths with deep acceptances equals each request's greedy decoding."""
+def test_lossless_batch_on_the_tree_attention_implementation(mode, monkeypatch):
+    """The fixed-shape verify step (static cache and buffers, tree start and write offset as
+    device tensors) on the tree_attention op: a batch of different prompt lengths with deep
+    acceptances equals each request's greedy decoding; the step always has N = budget + 1 rows."""
     from ddtree import hf
     from ddtree.generate import generate_batch
-
-    from ddtree.static_verify import StaticVerifier
+    from ddtree.verify import TargetVerifier
 
     target = tiny_target(seed=3)
     hf.use_tree_attention(target)
     truths = [greedy_reference(target, torch.tensor([p]), 30) for p in PROMPTS]
     oracle = BatchOracle(truths, [len(p) for p in PROMPTS])
-    runs = []
-    real_run = StaticVerifier.run
-    monkeypatch.setattr(StaticVerifier, "run", lambda self, *a: runs.append(self.n) or real_run(self, *a))
-    results = generate_batch(target, oracle, PROMPTS, 30, mode=mode, budget=[16, 8, 24],
-                             static_cache=True)
-    assert runs and set(runs) == {1 if mode == "autoregressive" else 8 if mode == "chain" else 25}
+    rows = []
+    real_step = TargetVerifier.step
+    monkeypatch.setattr(TargetVerifier, "step",
+                        lambda self, tree, *a: rows.append(tree.node_tokens.shape[1]) or
+                        real_step(self, tree, *a))
+    results = generate_batch(target, oracle, PROMPTS, 30, mode=mode, budget=[16, 8, 24])
+    assert rows and set(rows) == {1 if mode == "autoregressive" else 8 if mode == "chain" else 25}
     assert [r.tokens for r in results] == truths
     if mode != "autoregressive":
         assert min(r.tau for r in results) > 2
-    got = generate(target, tiny_drafter(), torch.tensor([PROMPTS[2]]), 12, mode=mode, budget=16,
-                   static_cache=True)
+    got = generate(target, tiny_drafter(), torch.tensor([PROMPTS[2]]), 12, mode=mode, budget=16)
     assert got.tokens == truths[2][:12]
 
 
@@ -490,10 +465,10 @@ def test_lossless_on_the_static_verify_path(mode, monkeypatch):
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_lossless_with_cuda_graph(kind):
     """cuda_graph=True on the GPU: captured once, replayed every round, it emits exactly what the
-    same static verify step run eagerly emits (same kernels; that path is lossless against
-    greedy decoding in fp32 on CPU, above). bf16 target, tree_attention kernel; for the hybrid
-    also the tree conv / GDN kernels inside the graph. Deep acceptances through an oracle
-    drafter built from the eager run's own output."""
+    same fixed-shape step run eagerly emits (same kernels; that path is lossless against greedy
+    decoding in fp32 on CPU, above). bf16 target, tree_attention kernel; for the hybrid also the
+    tree conv / GDN kernels inside the graph. Deep acceptances through an oracle drafter built
+    from greedy decoding."""
     from ddtree import hf
     from ddtree.generate import generate_batch
 
@@ -519,12 +494,9 @@ def test_lossless_with_cuda_graph(kind):
     truths = [greedy_reference(target, p[None], 24) for p in prompts]
 
     def oracle():
-        o = BatchOracle(truths, [len(p) for p in PROMPTS])
-        propose = o.propose
-        o.propose = lambda *a: propose(*a).to("cuda")
-        return o
+        return BatchOracle(truths, [len(p) for p in PROMPTS], device="cuda")
 
-    eager = generate_batch(target, oracle(), prompts, 24, budget=16, static_cache=True)
+    eager = generate_batch(target, oracle(), prompts, 24, budget=16)
     graph = generate_batch(target, oracle(), prompts, 24, budget=16, cuda_graph=True)
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
     assert [r.acceptance_lengths for r in graph] == [r.acceptance_lengths for r in eager]
@@ -537,52 +509,55 @@ def test_lossless_with_cuda_graph(kind):
                               dflash_config=extra))
     drafter = DFlashDrafter(dcfg).eval().to("cuda", torch.bfloat16)
     assert drafter.new_cache().fused
-    eager = generate_batch(target, drafter, prompts, 24, budget=16, static_cache=True)
+    eager = generate_batch(target, drafter, prompts, 24, budget=16)
     graph = generate_batch(target, drafter, prompts, 24, budget=16, cuda_graph=True)
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
 
 
-def test_static_drafter_proposes_what_the_drafter_proposes():
-    """The fixed-shape drafter step (what cuda_graph captures: <= block_size new rows padded in
-    static buffers, preallocated cache, draft_attention context_len), run eagerly, equals
-    DFlashDrafter.propose round after round; a round with more rows than a block (the prompt)
-    goes through propose itself."""
-    from ddtree.static_verify import StaticDrafter
-
+@pytest.mark.parametrize("fused", [False, True])
+def test_draft_state_proposes_what_propose_proposes(fused):
+    """The drafter's fixed-shape loop state (prompt rows first, then the accepted rows gathered on
+    the device into a [B, block_size] buffer, padded rows masked) proposes what
+    DFlashDrafter.propose proposes from the same rows as host lists, round after round,
+    including requests that bring no new row (finished)."""
     target = tiny_target()
     drafter = tiny_drafter()
-    drafter.fused_attention = True
-    width = HIDDEN * len(drafter.target_layer_ids)
-    static = StaticDrafter(drafter, target, 3, 200, width, cuda_graph=False)
-    plain = drafter.new_cache(3)
+    drafter.fused_attention = fused
     g = torch.Generator().manual_seed(2)
-    for round_ in range(5):
-        counts = [11, 3, 20] if round_ == 0 else [(round_ + b) % 8 for b in range(3)]
-        feats = [torch.randn(1, c, width, generator=g) for c in counts]
+
+    def hidden(batch, rows):
+        return tuple(torch.randn(batch, rows, HIDDEN, generator=g) for _ in range(LAYERS + 1))
+
+    prompts = [hidden(1, c) for c in (11, 3, 20)]
+    state = drafter.begin(target, prompts, 120)
+    plain = drafter.new_cache(3)
+    feats = [drafter.target_features(h)[0] for h in prompts]
+    for round_ in range(6):
         bonus = torch.randint(0, VOCAB, (3,), generator=g)
         want = drafter.propose(target, bonus, feats, plain)
-        got = static.propose(bonus, feats)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert static.cache.lengths == plain.lengths
-    rows = plain.lengths[2]
-    torch.testing.assert_close(static.cache.layers[0][0][2, :, :rows], plain.layers[0][0][2, :, :rows])
-    unfused = tiny_drafter()
-    with pytest.raises(ValueError, match="fused draft_attention path"):
-        StaticDrafter(unfused, target, 1, 64, width, cuda_graph=False)
+        torch.testing.assert_close(state.step(bonus), want, rtol=1e-5, atol=1e-5)
+        rows = hidden(3, 12)
+        accept_len = torch.tensor([(round_ + b * 3) % 9 for b in range(3)])
+        accepted = torch.stack([torch.randperm(12, generator=g)[:8] for _ in range(3)])
+        accepted[torch.arange(8)[None] >= accept_len[:, None]] = -1
+        state.commit(rows, ddtree.GreedyVerdict(accepted, accept_len, bonus))
+        f = drafter.target_features(rows)
+        feats = [f[b, accepted[b, : accept_len[b]]] for b in range(3)]
+    assert state.rows.cached_t.tolist() == plain.lengths
 
 
-def test_lossless_with_the_static_drafter_and_verify_step(monkeypatch):
+def test_lossless_with_the_fused_drafter_and_tree_attention(monkeypatch):
     from ddtree import hf
     from ddtree.generate import generate_batch
-    from ddtree.static_verify import StaticDrafter
+    from ddtree.models.dflash import DFlashDraftState
 
     target = tiny_target(seed=3)
     hf.use_tree_attention(target)
     drafter = tiny_drafter()
     drafter.fused_attention = True
     calls = []
-    real = StaticDrafter.propose
-    monkeypatch.setattr(StaticDrafter, "propose", lambda self, *a: calls.append(1) or real(self, *a))
+    real = DFlashDraftState.step
+    monkeypatch.setattr(DFlashDraftState, "step", lambda self, *a: calls.append(1) or real(self, *a))
     truths = [greedy_reference(target, torch.tensor([p]), 16) for p in PROMPTS]
     for mode in ("tree", "chain"):
         results = generate_batch(target, drafter, PROMPTS, 16, mode=mode, budget=[16, 8, 24])
@@ -592,36 +567,82 @@ def test_lossless_with_the_static_drafter_and_verify_step(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("mode", ["tree", "chain"])
-def test_lossless_hybrid_on_the_static_verify_path(kind, mode, monkeypatch):
-    """Hybrid targets on the fixed-shape verify step (what cuda_graph captures): static attention
-    cache, the Gated DeltaNet layers over the tree from static parents / node counts, recurrent
-    commit from the saved static tensors; a batch with deep acceptances stays lossless."""
+def test_lossless_hybrid_with_tree_attention(kind, mode, monkeypatch):
+    """Hybrid targets with the tree_attention op: static attention cache, the Gated DeltaNet layers
+    over the tree from static parents / node counts, recurrent commit from the pass's tensors; a
+    batch with deep acceptances stays lossless."""
     from ddtree import hf
     from ddtree.generate import generate_batch
-    from ddtree.static_verify import StaticVerifier
 
+    calls = []
+    real = hf.tree_attention
+    monkeypatch.setattr(hf, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     target = tiny_hybrid(kind=kind)
     hf.use_tree_attention(target)
     truths = [greedy_reference(target, torch.tensor([p]), 30) for p in PROMPTS]
-    runs = []
-    real_run = StaticVerifier.run
-    monkeypatch.setattr(StaticVerifier, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
     results = generate_batch(target, BatchOracle(truths, [len(p) for p in PROMPTS]), PROMPTS, 30,
                              mode=mode, budget=[16, 8, 24])
-    assert runs  # static_cache was chosen by default
+    assert calls
     assert [r.tokens for r in results] == truths
     assert min(r.tau for r in results) > 2
 
 
-def test_static_cache_bad_input():
+def test_loop_bad_input():
     from ddtree.generate import generate_batch
 
     target, drafter = tiny_target(), tiny_drafter()
-    with pytest.raises(ValueError, match="call ddtree.hf.use_tree_attention"):
-        generate(target, drafter, torch.tensor([[1, 2]]), 4, static_cache=True)
     with pytest.raises(ValueError, match="cuda_graph=True needs the target on a CUDA device"):
-        from ddtree import hf
-        hf.use_tree_attention(target)
         generate_batch(target, drafter, [[1, 2]], 4, cuda_graph=True)
-    with pytest.raises(ValueError, match="cuda_graph=True needs static_cache"):
-        generate(target, drafter, torch.tensor([[1, 2]]), 4, cuda_graph=True, static_cache=False)
+    with pytest.raises(TypeError, match="Drafter protocol"):
+        generate(target, object(), torch.tensor([[1, 2]]), 4)
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
+@pytest.mark.parametrize("tree_attention", [False, True], ids=["sdpa", "tree-attention"])
+def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
+    """Every round of the loop (DFlash drafter, batch of 3 with a stop token and a streamer) reads
+    from the device exactly once: Tensor.item / tolist / cpu / numpy / bool / int / float / index
+    are counted between the round's first and last stage marks. Inside the rounds the ops' value
+    checks are off; after the call they are back on."""
+    from ddtree import hf
+    from ddtree.generate import _StageClock, generate_batch
+
+    target = tiny_hybrid() if kind == "qwen3_5" else tiny_target(seed=3)
+    if tree_attention:
+        hf.use_tree_attention(target)
+    truths = [greedy_reference(target, torch.tensor([p]), 20) for p in PROMPTS]
+    reads = [0]
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            reads[0] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    rounds, checks = [], []
+    real_mark = _StageClock.mark
+
+    def mark(self, new_round=False):
+        if new_round:
+            rounds.append([])
+        rounds[-1].append(reads[0])
+        checks.append(ddtree.validation_enabled())
+        real_mark(self, new_round)
+
+    monkeypatch.setattr(_StageClock, "mark", mark)
+    streamed = {0: [], 1: [], 2: []}
+    stop = truths[1][9]
+    results = generate_batch(target, tiny_drafter(), PROMPTS, 20, mode=mode, budget=[16, 8, 24],
+                             stop_token_ids=[stop], streamer=lambda b, new: streamed[b].extend(new))
+    monkeypatch.undo()
+    assert [r.tokens for r in results] == [t[: t.index(stop) + 1] if stop in t else t
+                                           for t in truths]
+    assert [streamed[b][: len(r.tokens)] for b, r in enumerate(results)] == [r.tokens for r in results]
+    assert len(rounds) >= 5 and all(len(m) == 5 for m in rounds)
+    assert [m[-1] - m[0] for m in rounds] == [1] * len(rounds)
+    assert not any(checks) and ddtree.validation_enabled()

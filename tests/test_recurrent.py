@@ -326,12 +326,83 @@ def test_commit_recurrent_layers_commits_every_layer_like_the_reference(backend)
         torch.testing.assert_close(cs.cpu(), ref_conv, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_commit_recurrent_layers_past_one_launch_worth_of_layers(backend):
+    """35 layers (more than the 32 one launch carries): every layer equals the reference."""
+    cases = [commit_case(seed, (4, 2)) for seed in range(35)]
+    dev = "cpu" if backend == "cpu" else kernel_device(backend)
+    states = [c[0].clone().to(dev) for c in cases]
+    convs = [c[1].clone().to(dev) for c in cases]
+    slots, accepted, lengths = cases[0][2], cases[0][8], cases[0][9]
+    lists = [[c[i].to(dev) for c in cases] for i in (3, 4, 5, 6, 7)]
+    ops_for(backend).commit_recurrent_layers_(states, convs, slots.to(dev), *lists,
+                                              accepted.to(dev), lengths.to(dev))
+    for c, st, cs in zip(cases, states, convs):
+        ref_state, ref_conv = reference.commit_recurrent(c[0], c[1], slots, c[3], c[4], c[5], c[6],
+                                                         c[7], accepted, lengths)
+        torch.testing.assert_close(st.cpu(), ref_state, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cs.cpu(), ref_conv, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_gdn_and_commit_read_q_k_v_as_views_of_the_conv_output(backend):
+    """q / k / v as the hybrid loop passes them: slices of one [B, N, 2 Hk Dk + Hv Dv] conv output
+    (token stride wider than a head group; read in place). Output and commit equal the reference
+    on the same values."""
+    q, k, v, gate, beta, state, slots, parents, counts = gdn_case(7, hk=2, hv=4, dk=16, dv=8)
+    b, n = k.shape[:2]
+    mixed = torch.cat([x.reshape(b, n, -1) for x in (q, k, v)], -1)
+    dev = "cpu" if backend == "cpu" else kernel_device(backend)
+    views = mixed.to(dev)
+    qd, kd, vd = (t.reshape(b, n, h, -1) for t, h in
+                  zip(torch.split(views, [32, 32, 32], -1), (2, 2, 4)))
+    assert not kd.is_contiguous()
+    rest = [t.to(dev) for t in (gate, beta, state, slots, parents, counts)]
+    got = ops_for(backend).tree_gated_delta_rule(qd, kd, vd, *rest, depth_of(parents)).cpu()
+    torch.testing.assert_close(got, reference.tree_gated_delta_rule(q, k, v, gate, beta, state,
+                                                                     slots, parents, counts),
+                               rtol=1e-5, atol=1e-5)
+    conv_state = torch.randn(4, 96, 4)
+    accepted = torch.full((b, n), -1)
+    paths = [reference.tree_path(parents[r], int(counts[r]), int(counts[r]) - 1) for r in range(b)]
+    lengths = torch.tensor([min(3, len(paths[0])), 1])
+    for r in range(b):
+        accepted[r, : lengths[r]] = torch.tensor(paths[r][: lengths[r]])
+    st, cs = state.clone().to(dev), conv_state.clone().to(dev)
+    ops_for(backend).commit_recurrent_(st, cs, slots.to(dev), kd, vd, gate.to(dev), beta.to(dev),
+                                       views, accepted.to(dev), lengths.to(dev))
+    want_state, want_conv = reference.commit_recurrent(state, conv_state, slots, k, v, gate, beta,
+                                                       mixed, accepted, lengths)
+    torch.testing.assert_close(st.cpu(), want_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cs.cpu(), want_conv, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layers,launches", [(1, 1), (3, 1), (32, 1), (33, 2)])
+def test_commit_recurrent_layers_launch_count(layers, launches):
+    """The emulated kernels count grids: one launch commits the GDN states and conv windows of up
+    to 32 layers."""
+    from ddtree import _C
+
+    cases = [commit_case(seed % 4, (3, 6)) for seed in range(layers)]
+    lists = [[c[i].clone() for c in cases] for i in range(8)]
+    before = _C.emulator_grids_run()
+    torch.ops.ddtree_emu.commit_recurrent_layers_(lists[0], lists[1], cases[0][2], *lists[3:],
+                                                  cases[0][8], cases[0][9])
+    assert _C.emulator_grids_run() - before == launches
+
+
 def test_commit_recurrent_layers_opcheck_and_bad_input():
     state, conv_state, slots, k, v, gate, beta, conv_x, accepted, lengths, _ = commit_case(5, (2, 4))
     for namespace in ("ddtree", "ddtree_emu"):
         op = getattr(torch.ops, namespace).commit_recurrent_layers_
         torch.library.opcheck(op.default, ([state.clone()], [conv_state.clone()], slots, [k], [v],
                                            [gate], [beta], [conv_x], accepted, lengths))
+    other = commit_case(6, (2, 4))
+    with pytest.raises(RuntimeError, match="layer 1's tensors must have layer 0's shapes"):
+        torch.ops.ddtree.commit_recurrent_layers_(
+            [state, other[0]], [conv_state, other[1][:, :6].contiguous()], slots, [k, other[3]],
+            [v, other[4]], [gate, other[5]], [beta, other[6]], [conv_x, other[7][..., :6]],
+            accepted, lengths)
     with pytest.raises(RuntimeError, match="v holds 2 tensors, states holds 1"):
         torch.ops.ddtree.commit_recurrent_layers_([state], [conv_state], slots, [k], [v, v], [gate],
                                                   [beta], [conv_x], accepted, lengths)

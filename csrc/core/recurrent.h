@@ -69,9 +69,13 @@ DDTREE_HOST_DEVICE float tree_conv_value(const TreeConvParams& p, int64_t b, int
 // ---- gated delta rule over the tree ----
 
 struct TreeGdnParams {
+  // q / k / v: [B, N, H, D] with contiguous heads, token (b, i) at (b * N + i) * token stride
+  // (views of a wider row, e.g. the q / k / v split of the conv output, need no copy).
   const void* q = nullptr;            // [B, N, Hk, Dk]
   const void* k = nullptr;            // [B, N, Hk, Dk]
   const void* v = nullptr;            // [B, N, Hv, Dv]
+  int64_t qk_token_stride = 0;        // >= Hk * Dk
+  int64_t v_token_stride = 0;         // >= Hv * Dv
   ElemDtype dtype = ElemDtype::kFloat32;
   const float* g = nullptr;           // [B, N, Hv] log decay
   const float* beta = nullptr;        // [B, N, Hv]
@@ -84,9 +88,9 @@ struct TreeGdnParams {
   float* scratch = nullptr;           // [B, Hv, max_depth + 1, Dv, Dk] saved branch-point states
   void* out = nullptr;                // [B, N, Hv, Dv] (dtype of v)
   // commit only:
-  const int64_t* accepted = nullptr;  // [B, A]
+  const int64_t* accepted = nullptr;  // [B, A] accepted rows, root first
   const int64_t* accept_len = nullptr;
-  int64_t width = 0;
+  int64_t accepted_stride = 0;        // A
 };
 
 // Bytes of gdn_schedule's arrays for n rows (int32 x 5 + uint8), rounded up to 16.
@@ -143,12 +147,19 @@ DDTREE_HOST_DEVICE void gdn_schedule(const int64_t* parents, int64_t count, int6
   }
 }
 
+// Element offsets of q / k (key head of value head h) and of v at token (b, i).
+DDTREE_HOST_DEVICE int64_t gdn_qk_offset(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h) {
+  return (b * p.n + i) * p.qk_token_stride + h / (p.hv / p.hk) * p.dk;
+}
+DDTREE_HOST_DEVICE int64_t gdn_v_offset(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h) {
+  return (b * p.n + i) * p.v_token_stride + h * p.dv;
+}
+
 // l2-normalised key / query of (b, i, v-head h): k / sqrt(sum k^2 + 1e-6), and q likewise and
 // divided by sqrt(Dk) (transformers' torch_recurrent_gated_delta_rule with qk l2norm).
 DDTREE_HOST_DEVICE void gdn_load_qk(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h,
                                     float* qn, float* kn) {
-  const int64_t kh = h / (p.hv / p.hk);
-  const int64_t base = ((b * p.n + i) * p.hk + kh) * p.dk;
+  const int64_t base = gdn_qk_offset(p, b, i, h);
   float sq = 0.f, sk = 0.f;
   for (int64_t d = 0; d < p.dk; ++d) {
     kn[d] = load_elem(p.k, p.dtype, base + d);
@@ -199,11 +210,60 @@ DDTREE_HOST_DEVICE int64_t gdn_token(const TreeGdnParams& p, int64_t b, int64_t 
   return (b * p.n + i) * p.hv + h;
 }
 
-// commit_recurrent_: the GDN states (gdn.accepted / accept_len / width set) and the conv windows
-// (conv.conv_pool, written in place) of each request move along its accepted path.
+// commit_recurrent_: the GDN states (gdn.accepted / accept_len / accepted_stride set) and the
+// conv windows (conv.conv_pool, written in place) of each request move along its accepted path.
 struct CommitRecurrentParams {
   TreeGdnParams gdn;
   TreeConvParams conv;
 };
+
+// Channel c of request b: the committed window becomes the last W inputs of [window, accepted
+// path] (path = the request's accepted rows, len of them).
+DDTREE_HOST_DEVICE void commit_conv_channel(const TreeConvParams& p, const int64_t* path,
+                                            int64_t len, int64_t b, int64_t c) {
+  void* pool = const_cast<void*>(p.conv_pool);
+  const int64_t W = p.width, row = (p.slots[b] * p.channels + c) * W;
+  float window[kMaxConvWidth];
+  for (int64_t w = 0; w < W; ++w) {
+    const int64_t from_end = W - 1 - w;  // position counted back from the last path node
+    window[w] = from_end < len
+                    ? load_elem(p.x, p.dtype, (b * p.n + path[len - 1 - from_end]) * p.channels + c)
+                    : load_elem(p.conv_pool, p.dtype, row + w + len);
+  }
+  for (int64_t w = 0; w < W; ++w) store_elem(pool, p.dtype, row + w, window[w]);
+}
+
+// Layers one commit_recurrent_layers_ launch covers (the pointer arrays below travel in the
+// kernel's parameter block, which holds 4 KB).
+constexpr int kMaxCommitLayers = 32;
+
+// commit_recurrent_layers_: layers of one shape. `base` holds the shapes and the index arrays
+// (slots, accepted, accept_len) shared by every layer; the tensors that differ per layer are the
+// pointer arrays (layer l: state_pool[l], k[l], ... ).
+struct CommitRecurrentLayersParams {
+  CommitRecurrentParams base;
+  int64_t layers = 0;
+  float* state_pool[kMaxCommitLayers] = {};
+  const void* k[kMaxCommitLayers] = {};
+  const void* v[kMaxCommitLayers] = {};
+  const float* g[kMaxCommitLayers] = {};
+  const float* beta[kMaxCommitLayers] = {};
+  const void* conv_x[kMaxCommitLayers] = {};
+  const void* conv_pool[kMaxCommitLayers] = {};
+};
+
+// Layer l's CommitRecurrentParams.
+DDTREE_HOST_DEVICE CommitRecurrentParams commit_layer(const CommitRecurrentLayersParams& p,
+                                                      int64_t l) {
+  CommitRecurrentParams c = p.base;
+  c.gdn.state_pool = p.state_pool[l];
+  c.gdn.k = p.k[l];
+  c.gdn.v = p.v[l];
+  c.gdn.g = p.g[l];
+  c.gdn.beta = p.beta[l];
+  c.conv.x = p.conv_x[l];
+  c.conv.conv_pool = p.conv_pool[l];
+  return c;
+}
 
 }  // namespace ddtree

@@ -14,7 +14,7 @@ struct BuildTreeParams {
   const int64_t* ids = nullptr;        // [B, L, K] token ids matching logq
   const int64_t* root_tokens = nullptr;  // [B]
   const int64_t* budgets = nullptr;    // [B] per-request budgets (<= budget); null: all `budget`
-  int64_t batch = 0, depth = 0, k = 0;
+  int64_t batch = 0, levels = 0, k = 0;  // levels: L draft depths
   int64_t budget = 0;                  // N = budget + 1 rows per request
   int64_t* node_tokens = nullptr;      // [B, N]
   int64_t* parents = nullptr;          // [B, N]
@@ -97,7 +97,7 @@ DDTREE_HOST_DEVICE TreeCandidate heap_pop(const TreeBuildScratch& s, int64_t& si
 DDTREE_HOST_DEVICE void build_tree_request(const BuildTreeParams& p, int64_t b,
                                            const TreeBuildScratch& s) {
   const int64_t n_rows = p.budget + 1;
-  const int64_t L = p.depth, K = p.k;
+  const int64_t L = p.levels, K = p.k;
   const float* logq = p.logq + b * L * K;
   const int64_t* ids = p.ids + b * L * K;
   int64_t* tokens = p.node_tokens + b * n_rows;

@@ -82,7 +82,7 @@ DDTREE_HOST_DEVICE float lse_value(const LseAccumulator& a) { return a.m + logf(
 struct ChainTreeParams {
   const void* logits = nullptr;  // [B, L, V] contiguous
   LogitsDtype dtype = LogitsDtype::kFloat32;
-  int64_t batch = 0, depth = 0, vocab = 0;
+  int64_t batch = 0, levels = 0, vocab = 0;  // levels: L draft depths
   int64_t parts = 1;             // vocabulary ranges per row, scanned independently
   const int64_t* root_tokens = nullptr;  // [B]
   uint64_t* best = nullptr;      // [B * L * parts] workspace: best topk_key of each range (0 = none)
@@ -97,30 +97,30 @@ struct ChainTreeParams {
 
 // Number of valid leading depths of request b, from the workspace of every range.
 DDTREE_HOST_DEVICE int64_t chain_length(const ChainTreeParams& p, int64_t b) {
-  for (int64_t d = 0; d < p.depth; ++d) {
+  for (int64_t d = 0; d < p.levels; ++d) {
     uint64_t best = 0;
     int32_t nan = 0;
     for (int64_t j = 0; j < p.parts; ++j) {
-      const int64_t at = (b * p.depth + d) * p.parts + j;
+      const int64_t at = (b * p.levels + d) * p.parts + j;
       best = p.best[at] > best ? p.best[at] : best;
       nan |= p.nan[at];
     }
     const float top = topk_key_value(best);
     if (nan || best == 0 || !(top > -__builtin_inff() && top < __builtin_inff())) return d;
   }
-  return p.depth;
+  return p.levels;
 }
 
 // Row i of request b's outputs for a chain of n nodes below the root (num_nodes = n + 1).
 DDTREE_HOST_DEVICE void chain_write_row(const ChainTreeParams& p, int64_t b, int64_t i, int64_t n) {
-  const int64_t at = b * (p.depth + 1) + i;
+  const int64_t at = b * (p.levels + 1) + i;
   int64_t token = 0;
   if (i == 0) {
     token = p.root_tokens[b];
   } else if (i <= n) {
     uint64_t best = 0;
     for (int64_t j = 0; j < p.parts; ++j) {
-      const uint64_t key = p.best[(b * p.depth + i - 1) * p.parts + j];
+      const uint64_t key = p.best[(b * p.levels + i - 1) * p.parts + j];
       best = key > best ? key : best;
     }
     token = topk_key_id(best);

@@ -41,7 +41,7 @@ void tree_gdn_heads(const TreeGdnParams& p, int64_t begin, int64_t end) {
           for (int64_t d = 0; d < dk; ++d) col[d] = saved[d];
         }
         const float o = gdn_column_step(col, dk, kn.data(), qn.data(),
-                                        load_elem(p.v, p.dtype, t * dv + c), p.g[t], p.beta[t]);
+                                        load_elem(p.v, p.dtype, gdn_v_offset(p, b, i, h) + c), p.g[t], p.beta[t]);
         store_elem(p.out, p.dtype, t * dv + c, o);
         if ((f & kVisitSave) && depth[i] <= p.max_depth) {
           float* saved = p.scratch + gdn_scratch_column(p, b, h, depth[i], c);
@@ -52,13 +52,14 @@ void tree_gdn_heads(const TreeGdnParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void commit_recurrent_requests(const CommitRecurrentParams& p, int64_t begin, int64_t end) {
-  const TreeGdnParams& g = p.gdn;
-  const TreeConvParams& c = p.conv;
-  std::vector<float> state(g.dv * g.dk), kn(g.dk);
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t len = g.accept_len[b];
-    const int64_t* path = g.accepted + b * g.width;
+void commit_recurrent_layers(const CommitRecurrentLayersParams& p, int64_t begin, int64_t end) {
+  const TreeGdnParams& shape = p.base.gdn;
+  std::vector<float> state(shape.dv * shape.dk), kn(shape.dk);
+  for (int64_t item = begin; item < end; ++item) {  // item = layer * B + request
+    const CommitRecurrentParams layer = commit_layer(p, item / shape.batch);
+    const TreeGdnParams& g = layer.gdn;
+    const int64_t b = item % shape.batch, len = g.accept_len[b];
+    const int64_t* path = g.accepted + b * g.accepted_stride;
     for (int64_t h = 0; g.state_pool && h < g.hv; ++h) {
       for (int64_t col = 0; col < g.dv; ++col)
         for (int64_t d = 0; d < g.dk; ++d) state[col * g.dk + d] = g.state_pool[gdn_pool_column(g, b, h, d, col)];
@@ -67,25 +68,13 @@ void commit_recurrent_requests(const CommitRecurrentParams& p, int64_t begin, in
         const int64_t t = gdn_token(g, b, path[j], h);
         for (int64_t col = 0; col < g.dv; ++col)
           gdn_column_step(state.data() + col * g.dk, g.dk, kn.data(), nullptr,
-                          load_elem(g.v, g.dtype, t * g.dv + col), g.g[t], g.beta[t]);
+                          load_elem(g.v, g.dtype, gdn_v_offset(g, b, path[j], h) + col), g.g[t], g.beta[t]);
       }
       for (int64_t col = 0; col < g.dv; ++col)
         for (int64_t d = 0; d < g.dk; ++d) g.state_pool[gdn_pool_column(g, b, h, d, col)] = state[col * g.dk + d];
     }
-    if (!c.conv_pool) continue;
-    void* pool = const_cast<void*>(c.conv_pool);
-    const int64_t W = c.width;
-    float window[kMaxConvWidth];
-    for (int64_t ch = 0; ch < c.channels; ++ch) {
-      const int64_t row = (c.slots[b] * c.channels + ch) * W;
-      for (int64_t w = 0; w < W; ++w) {
-        const int64_t from_end = W - 1 - w;
-        window[w] = from_end < len
-                        ? load_elem(c.x, c.dtype, (b * c.n + path[len - 1 - from_end]) * c.channels + ch)
-                        : load_elem(c.conv_pool, c.dtype, row + w + len);
-      }
-      for (int64_t w = 0; w < W; ++w) store_elem(pool, c.dtype, row + w, window[w]);
-    }
+    if (!layer.conv.conv_pool) continue;
+    for (int64_t ch = 0; ch < layer.conv.channels; ++ch) commit_conv_channel(layer.conv, path, len, b, ch);
   }
 }
 

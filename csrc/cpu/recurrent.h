@@ -10,7 +10,8 @@ namespace ddtree::cpu {
 void tree_conv_rows(const TreeConvParams& p, int64_t begin, int64_t end);
 // (request, head) pairs [begin, end) of the flattened [B * Hv] space.
 void tree_gdn_heads(const TreeGdnParams& p, int64_t begin, int64_t end);
-// Requests [begin, end): GDN states of every head, then the conv windows.
-void commit_recurrent_requests(const CommitRecurrentParams& p, int64_t begin, int64_t end);
+// Items [begin, end) of the flattened [layers * B] (layer, request) space: the request's GDN
+// states of every head, then its conv windows.
+void commit_recurrent_layers(const CommitRecurrentLayersParams& p, int64_t begin, int64_t end);
 
 }  // namespace ddtree::cpu

@@ -260,7 +260,7 @@ void chain_tree_scan(const ChainTreeParams& p, int64_t item_begin, int64_t item_
 void chain_tree_write(const ChainTreeParams& p, int64_t b_begin, int64_t b_end) {
   for (int64_t b = b_begin; b < b_end; ++b) {
     const int64_t n = chain_length(p, b);
-    for (int64_t i = 0; i <= p.depth; ++i) chain_write_row(p, b, i, n);
+    for (int64_t i = 0; i <= p.levels; ++i) chain_write_row(p, b, i, n);
   }
 }
 

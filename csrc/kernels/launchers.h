@@ -30,7 +30,7 @@
   int launch_verify_sample(const ::ddtree::VerifySampleParams& p, void* stream);      \
   int launch_tree_conv(const ::ddtree::TreeConvParams& p, void* stream);              \
   int launch_tree_gdn(const ::ddtree::TreeGdnParams& p, void* stream);                \
-  int launch_commit_recurrent(const ::ddtree::CommitRecurrentParams& p, void* stream);  \
+  int launch_commit_recurrent_layers(const ::ddtree::CommitRecurrentLayersParams& p, void* stream); \
   int launch_tree_attention(const ::ddtree::TreeAttentionParams& p, void* stream);      \
   int launch_draft_attention(const ::ddtree::DraftAttentionParams& p, void* stream);
 

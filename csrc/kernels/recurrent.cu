@@ -47,8 +47,7 @@ __device__ GdnSchedule gdn_schedule_smem(unsigned char* smem, int64_t n) {
 template <int kDk>
 __device__ void gdn_load_qk_block(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h,
                                   float* qn, float* kn, float* red) {
-  const int64_t kh = h / (p.hv / p.hk);
-  const int64_t base = ((b * p.n + i) * p.hk + kh) * p.dk;
+  const int64_t base = gdn_qk_offset(p, b, i, h);
   float sk = 0.f, sq = 0.f;
   for (int d = threadIdx.x; d < kDk; d += kGdnThreads) {
     const float kv = d < p.dk ? load_elem(p.k, p.dtype, base + d) : 0.f;
@@ -139,7 +138,7 @@ __global__ void __launch_bounds__(kGdnThreads) tree_gdn_kernel(const TreeGdnPara
       }
     }
     const int64_t t = gdn_token(p, b, i, h);
-    const float v = active ? load_elem(p.v, p.dtype, t * p.dv + d_v) : 0.f;
+    const float v = active ? load_elem(p.v, p.dtype, gdn_v_offset(p, b, i, h) + d_v) : 0.f;
     const float o = gdn_quad_step<kDk>(col, kn, qn, v, p.g[t], p.beta[t]);
     if (active && lane == 0) store_elem(p.out, p.dtype, t * p.dv + d_v, o);
     if ((f & kVisitSave) && s.depth[i] <= p.max_depth && active) {
@@ -154,23 +153,23 @@ __global__ void __launch_bounds__(kGdnThreads) tree_gdn_kernel(const TreeGdnPara
   }
 }
 
-// grid (Hv, B, ceil(Dv / kGdnColumns)): the committed state runs through the accepted path, in place.
+// Block (h, b, column chunk z) of one layer: the committed state runs through the accepted path,
+// in place.
 template <int kDk>
-__global__ void __launch_bounds__(kGdnThreads) commit_gdn_kernel(const TreeGdnParams p) {
-  __shared__ float kn[kDk], red[kGdnWarps];
+__device__ void commit_gdn_block(const TreeGdnParams& p, int64_t h, int64_t b, int64_t z,
+                                 float* kn, float* red) {
   constexpr int kPer = kDk / kGdnLanes;
-  const int64_t h = blockIdx.x, b = blockIdx.y;
   const int lane = threadIdx.x % kGdnLanes;
-  const int64_t d_v = static_cast<int64_t>(blockIdx.z) * kGdnColumns + threadIdx.x / kGdnLanes;
+  const int64_t d_v = z * kGdnColumns + threadIdx.x / kGdnLanes;
   const bool active = d_v < p.dv;
   float col[kPer];
   gdn_quad_load_pool<kDk>(p, b, h, d_v, col);
   const int64_t len = p.accept_len[b];
   for (int64_t j = 0; j < len; ++j) {
-    const int64_t i = p.accepted[b * p.width + j];
+    const int64_t i = p.accepted[b * p.accepted_stride + j];
     gdn_load_qk_block<kDk>(p, b, i, h, nullptr, kn, red);
     const int64_t t = gdn_token(p, b, i, h);
-    const float v = active ? load_elem(p.v, p.dtype, t * p.dv + d_v) : 0.f;
+    const float v = active ? load_elem(p.v, p.dtype, gdn_v_offset(p, b, i, h) + d_v) : 0.f;
     gdn_quad_step<kDk>(col, kn, nullptr, v, p.g[t], p.beta[t]);
     __syncthreads();
   }
@@ -182,36 +181,40 @@ __global__ void __launch_bounds__(kGdnThreads) commit_gdn_kernel(const TreeGdnPa
   }
 }
 
-// grid (B): the committed window becomes the last W inputs of [window, accepted path].
-__global__ void commit_conv_kernel(const TreeConvParams p, const int64_t* accepted,
-                                   const int64_t* accept_len, int64_t width_a) {
-  const int64_t b = blockIdx.x, len = accept_len[b], W = p.width;
-  void* pool = const_cast<void*>(p.conv_pool);
-  for (int64_t c = threadIdx.x; c < p.channels; c += blockDim.x) {
-    const int64_t row = (p.slots[b] * p.channels + c) * W;
-    float window[kMaxConvWidth];
-    for (int64_t w = 0; w < W; ++w) {
-      const int64_t from_end = W - 1 - w;  // position counted back from the last path node
-      window[w] = from_end < len
-                      ? load_elem(p.x, p.dtype, (b * p.n + accepted[b * width_a + len - 1 - from_end]) * p.channels + c)
-                      : load_elem(p.conv_pool, p.dtype, row + w + len);
-    }
-    for (int64_t w = 0; w < W; ++w) store_elem(pool, p.dtype, row + w, window[w]);
+// grid (Hv, B, layers * (chunks + 1)), chunks = ceil(Dv / kGdnColumns): per layer, blocks
+// z < chunks commit the GDN state columns, block z = chunks the conv windows (channels spread
+// over the Hv blocks of the request).
+template <int kDk>
+__global__ void __launch_bounds__(kGdnThreads) commit_layers_kernel(const CommitRecurrentLayersParams p) {
+  __shared__ float kn[kDk], red[kGdnWarps];
+  const int64_t chunks = ceil_div(p.base.gdn.dv, kGdnColumns);
+  const int64_t layer = blockIdx.z / (chunks + 1), z = blockIdx.z % (chunks + 1);
+  const int64_t h = blockIdx.x, b = blockIdx.y;
+  const CommitRecurrentParams c = commit_layer(p, layer);
+  if (z < chunks) {
+    if (c.gdn.state_pool && h < c.gdn.hv) commit_gdn_block<kDk>(c.gdn, h, b, z, kn, red);
+    return;
   }
+  if (!c.conv.conv_pool) return;
+  const int64_t* path = c.gdn.accepted + b * c.gdn.accepted_stride;
+  const int64_t len = c.gdn.accept_len[b];
+  for (int64_t ch = h * blockDim.x + threadIdx.x; ch < c.conv.channels; ch += gridDim.x * blockDim.x)
+    commit_conv_channel(c.conv, path, len, b, ch);
 }
 
 template <int kDk>
-int launch_gdn(const TreeGdnParams& p, void* stream, size_t smem, bool commit) {
+int launch_gdn(const TreeGdnParams& p, void* stream, size_t smem) {
   const dim3 grid(static_cast<unsigned>(p.hv), static_cast<unsigned>(p.batch),
                   static_cast<unsigned>(ceil_div(p.dv, kGdnColumns)));
-  auto kernel = commit ? commit_gdn_kernel<kDk> : tree_gdn_kernel<kDk>;
-  return launch_kernel(kernel, grid, dim3(kGdnThreads), smem, stream, p);
+  return launch_kernel(tree_gdn_kernel<kDk>, grid, dim3(kGdnThreads), smem, stream, p);
 }
 
-int launch_gdn_any(const TreeGdnParams& p, void* stream, size_t smem, bool commit) {
-  if (p.dk <= 64) return launch_gdn<64>(p, stream, smem, commit);
-  if (p.dk <= 128) return launch_gdn<128>(p, stream, smem, commit);
-  return launch_gdn<256>(p, stream, smem, commit);
+template <int kDk>
+int launch_commit_layers(const CommitRecurrentLayersParams& p, void* stream) {
+  const TreeGdnParams& g = p.base.gdn;
+  const dim3 grid(static_cast<unsigned>(g.hv > 0 ? g.hv : 1), static_cast<unsigned>(g.batch),
+                  static_cast<unsigned>(p.layers * (ceil_div(g.dv, kGdnColumns) + 1)));
+  return launch_kernel(commit_layers_kernel<kDk>, grid, dim3(kGdnThreads), 0, stream, p);
 }
 
 }  // namespace
@@ -224,21 +227,18 @@ int launch_tree_conv(const TreeConvParams& p, void* stream) {
 
 int launch_tree_gdn(const TreeGdnParams& p, void* stream) {
   if (p.batch == 0 || p.n == 0 || p.hv == 0 || p.dv == 0) return 0;
-  return launch_gdn_any(p, stream, static_cast<size_t>(gdn_schedule_bytes(p.n)), false);
+  const size_t smem = static_cast<size_t>(gdn_schedule_bytes(p.n));
+  if (p.dk <= 64) return launch_gdn<64>(p, stream, smem);
+  if (p.dk <= 128) return launch_gdn<128>(p, stream, smem);
+  return launch_gdn<256>(p, stream, smem);
 }
 
-int launch_commit_recurrent(const CommitRecurrentParams& p, void* stream) {
-  const TreeGdnParams& g = p.gdn;
-  const TreeConvParams& c = p.conv;
-  if (g.batch == 0) return 0;
-  if (g.state_pool && g.hv > 0 && g.dv > 0) {
-    const int rc = launch_gdn_any(g, stream, 0, true);
-    if (rc != 0) return rc;
-  }
-  if (c.conv_pool && c.channels > 0)
-    return launch_kernel(commit_conv_kernel, dim3(static_cast<unsigned>(c.batch)), dim3(kConvThreads),
-                         0, stream, c, g.accepted, g.accept_len, g.width);
-  return 0;
+int launch_commit_recurrent_layers(const CommitRecurrentLayersParams& p, void* stream) {
+  const TreeGdnParams& g = p.base.gdn;
+  if (g.batch == 0 || p.layers == 0) return 0;
+  if (g.dk <= 64) return launch_commit_layers<64>(p, stream);
+  if (g.dk <= 128) return launch_commit_layers<128>(p, stream);
+  return launch_commit_layers<256>(p, stream);
 }
 
 }  // namespace DDTREE_KERNEL_NS

@@ -193,14 +193,14 @@ __global__ void chain_write_kernel(const ChainTreeParams p) {
   const int64_t b = blockIdx.x;
   if (threadIdx.x == 0) length = chain_length(p, b);
   __syncthreads();
-  for (int64_t i = threadIdx.x; i <= p.depth; i += blockDim.x) chain_write_row(p, b, i, length);
+  for (int64_t i = threadIdx.x; i <= p.levels; i += blockDim.x) chain_write_row(p, b, i, length);
 }
 
 }  // namespace
 
 int launch_chain_tree(const ChainTreeParams& p, void* stream) {
   if (p.batch == 0) return 0;
-  const int64_t items = p.batch * p.depth * p.parts;
+  const int64_t items = p.batch * p.levels * p.parts;
   if (items > 0) {
     const int e = launch_kernel(chain_scan_kernel, dim3(static_cast<unsigned>(items)),
                                 dim3(kTopkThreads), 0, stream, p);

@@ -1,7 +1,9 @@
 // ATen adapters of tree_causal_conv1d, tree_gated_delta_rule and commit_recurrent_ (SPEC §6-§7).
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "cpu/recurrent.h"
 #include "kernels/launchers.h"
@@ -135,6 +137,16 @@ Tensor tree_causal_conv1d(const Tensor& x, const Tensor& conv_state, const Tenso
 constexpr OpKernels<TreeGdnParams> kGdnKernels{&cpu::tree_gdn_heads, &emulated::launch_tree_gdn,
                                                DDTREE_GPU_LAUNCHER(launch_tree_gdn)};
 
+// The stride between tokens (b, i) of a [B, N, H, D] tensor whose heads are contiguous and whose
+// tokens are evenly spaced (a contiguous tensor, or a slice of the last dim of one), else -1.
+int64_t token_stride(const Tensor& t) {
+  const int64_t B = t.size(0), N = t.size(1), H = t.size(2), D = t.size(3);
+  if ((D > 1 && t.stride(3) != 1) || (H > 1 && t.stride(2) != D)) return -1;
+  const int64_t row = N > 1 ? t.stride(1) : B > 1 ? t.stride(0) : H * D;
+  if (row < H * D || (B > 1 && t.stride(0) != N * row)) return -1;
+  return row;
+}
+
 struct GdnInputs {
   Tensor q, k, v, g, beta;
   TreeGdnParams params;
@@ -169,12 +181,24 @@ GdnInputs prepare_gdn(const char* op, const Tensor* q, const Tensor& k, const Te
                                 {"beta", &beta}, {"state", &state}})
     check_same_device(op, name, *t, k);
   GdnInputs in;
-  if (q) in.q = q->contiguous();
-  in.k = k.contiguous();
-  in.v = v.contiguous();
+  // q and k share one token stride: both as given when they agree, else both compacted.
+  int64_t qk_stride = token_stride(k);
+  if (qk_stride < 0 || (q && token_stride(*q) != qk_stride)) {
+    in.k = k.contiguous();
+    if (q) in.q = q->contiguous();
+    qk_stride = Hk * Dk;
+  } else {
+    in.k = k;
+    if (q) in.q = *q;
+  }
+  int64_t v_stride = token_stride(v);
+  in.v = v_stride < 0 ? v.contiguous() : v;
+  if (v_stride < 0) v_stride = Hv * Dv;
   in.g = g.to(at::kFloat).contiguous();
   in.beta = beta.to(at::kFloat).contiguous();
   TreeGdnParams& p = in.params;
+  p.qk_token_stride = qk_stride;
+  p.v_token_stride = v_stride;
   p.q = q ? in.q.data_ptr() : nullptr;
   p.k = in.k.data_ptr();
   p.v = in.v.data_ptr();
@@ -214,20 +238,25 @@ Tensor tree_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, 
   return out;
 }
 
-// ---- commit_recurrent_ ----
+// ---- commit_recurrent_ / commit_recurrent_layers_ ----
 
-constexpr OpKernels<CommitRecurrentParams> kCommitKernels{
-    &cpu::commit_recurrent_requests, &emulated::launch_commit_recurrent,
-    DDTREE_GPU_LAUNCHER(launch_commit_recurrent)};
+constexpr OpKernels<CommitRecurrentLayersParams> kCommitKernels{
+    &cpu::commit_recurrent_layers, &emulated::launch_commit_recurrent_layers,
+    DDTREE_GPU_LAUNCHER(launch_commit_recurrent_layers)};
 
-template <Backend kBackend>
-void commit_recurrent_(const Tensor& state, const Tensor& conv_state, const Tensor& slots,
-                       const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                       const Tensor& conv_x, const Tensor& accepted, const Tensor& accept_len) {
-  constexpr const char* op = "commit_recurrent_";
-  GdnInputs in = prepare_gdn(op, nullptr, k, v, g, beta, state);
-  CommitRecurrentParams p;
-  p.gdn = in.params;
+// One layer's checked inputs (contiguous / fp32 copies where needed) and its params.
+struct CommitLayer {
+  GdnInputs gdn;
+  Tensor conv_x;
+  CommitRecurrentParams params;
+};
+
+CommitLayer prepare_commit_layer(const char* op, const Tensor& state, const Tensor& conv_state,
+                                 const Tensor& k, const Tensor& v, const Tensor& g,
+                                 const Tensor& beta, const Tensor& conv_x) {
+  CommitLayer layer{prepare_gdn(op, nullptr, k, v, g, beta, state), conv_x.contiguous(), {}};
+  CommitRecurrentParams& p = layer.params;
+  p.gdn = layer.gdn.params;
   const int64_t B = p.gdn.batch, N = p.gdn.n;
   TORCH_CHECK(conv_x.dim() == 3 && conv_x.size(0) == B && conv_x.size(1) == N, op,
               ": conv_x must have shape [B, N, C] with B = ", B, ", N = ", N, ", got ", conv_x.sizes());
@@ -241,6 +270,50 @@ void commit_recurrent_(const Tensor& state, const Tensor& conv_state, const Tens
   TORCH_CHECK(conv_state.is_contiguous(), op, ": conv_state must be contiguous");
   check_same_device(op, "conv_state", conv_state, k);
   check_same_device(op, "conv_x", conv_x, k);
+  p.conv.x = layer.conv_x.data_ptr();
+  p.conv.dtype = logits_dtype(conv_x.scalar_type());
+  p.conv.conv_pool = conv_state.data_ptr();
+  p.conv.batch = B;
+  p.conv.n = N;
+  p.conv.channels = conv_x.size(2);
+  p.conv.width = conv_state.size(2);
+  return layer;
+}
+
+// Layers of one shape (GDN dims, conv channels / width, dtypes, pool rows), shared paths; the
+// per-layer tensors go in pointer arrays, kMaxCommitLayers layers per launch.
+template <Backend kBackend>
+void commit_layers(const char* op, at::TensorList states, at::TensorList conv_states,
+                   const Tensor& slots, at::TensorList k, at::TensorList v, at::TensorList g,
+                   at::TensorList beta, at::TensorList conv_x, const Tensor& accepted,
+                   const Tensor& accept_len) {
+  const size_t layers = states.size();
+  for (const auto& [name, list] : {std::pair<const char*, at::TensorList>{"conv_states", conv_states},
+                                   {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"conv_x", conv_x}})
+    TORCH_CHECK(list.size() == layers, op, ": ", name, " holds ", list.size(),
+                " tensors, states holds ", layers, " (one entry per layer in every list)");
+  if (layers == 0) return;
+  std::vector<CommitLayer> prepared;
+  prepared.reserve(layers);
+  for (size_t i = 0; i < layers; ++i) {
+    prepared.push_back(prepare_commit_layer(op, states[i], conv_states[i], k[i], v[i], g[i],
+                                            beta[i], conv_x[i]));
+    if (i == 0) continue;
+    TORCH_CHECK(k[i].sizes() == k[0].sizes() && v[i].sizes() == v[0].sizes() &&
+                    k[i].scalar_type() == k[0].scalar_type() &&
+                    conv_x[i].sizes() == conv_x[0].sizes() &&
+                    conv_x[i].scalar_type() == conv_x[0].scalar_type() &&
+                    states[i].size(0) == states[0].size(0) &&
+                    conv_states[i].sizes() == conv_states[0].sizes(),
+                op, ": layer ", i, "'s tensors must have layer 0's shapes and dtypes (k ",
+                k[0].sizes(), ", v ", v[0].sizes(), ", conv_x ", conv_x[0].sizes(),
+                ", conv_state ", conv_states[0].sizes(), "); got k ", k[i].sizes(), ", v ",
+                v[i].sizes(), ", conv_x ", conv_x[i].sizes(), ", conv_state ",
+                conv_states[i].sizes());
+    check_same_device(op, "every layer's k", k[i], k[0]);
+  }
+  const CommitRecurrentParams& first = prepared[0].params;
+  const int64_t B = first.gdn.batch, N = first.gdn.n;
   check_index_tensor(op, "slots", slots);
   check_dims(op, "slots", slots, {B}, "[B]");
   check_index_tensor(op, "accepted", accepted);
@@ -250,13 +323,12 @@ void commit_recurrent_(const Tensor& state, const Tensor& conv_state, const Tens
   check_dims(op, "accept_len", accept_len, {B}, "[B]");
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"slots", &slots},
                                 {"accepted", &accepted}, {"accept_len", &accept_len}})
-    check_same_device(op, name, *t, k);
-  const Tensor sl = slots.to(at::kLong).contiguous(), path = accepted.to(at::kLong).contiguous();
-  const Tensor len = accept_len.to(at::kLong).contiguous(), x = conv_x.contiguous();
+    check_same_device(op, name, *t, k[0]);
+  const Tensor sl = as_long(slots), path = as_long(accepted), len = as_long(accept_len);
   const int64_t A = path.size(1);
-  if (B > 0 && should_validate_values(k)) {
-    TORCH_CHECK(sl.min().item<int64_t>() >= 0 && sl.max().item<int64_t>() < state.size(0) &&
-                    sl.max().item<int64_t>() < conv_state.size(0),
+  if (B > 0 && should_validate_values(k[0])) {
+    TORCH_CHECK(sl.min().item<int64_t>() >= 0 && sl.max().item<int64_t>() < states[0].size(0) &&
+                    sl.max().item<int64_t>() < conv_states[0].size(0),
                 op, ": slots must index both state pools");
     const Tensor hl = host_view(len), hp = host_view(path);
     for (int64_t b = 0; b < B; ++b) {
@@ -270,36 +342,46 @@ void commit_recurrent_(const Tensor& state, const Tensor& conv_state, const Tens
       }
     }
   }
-  p.gdn.slots = sl.data_ptr<int64_t>();
-  p.gdn.accepted = path.data_ptr<int64_t>();
-  p.gdn.accept_len = len.data_ptr<int64_t>();
-  p.gdn.width = A;
-  p.conv.x = x.data_ptr();
-  p.conv.dtype = logits_dtype(x.scalar_type());
-  p.conv.conv_pool = conv_state.data_ptr();
-  p.conv.slots = sl.data_ptr<int64_t>();
-  p.conv.batch = B;
-  p.conv.n = N;
-  p.conv.channels = x.size(2);
-  p.conv.width = conv_state.size(2);
-  run_op<kBackend>(op, kCommitKernels, p, k, B, 1);
+  for (size_t l0 = 0; l0 < layers; l0 += kMaxCommitLayers) {
+    CommitRecurrentLayersParams p;
+    p.base = first;
+    p.base.gdn.slots = p.base.conv.slots = sl.data_ptr<int64_t>();
+    p.base.gdn.accepted = path.data_ptr<int64_t>();
+    p.base.gdn.accept_len = len.data_ptr<int64_t>();
+    p.base.gdn.accepted_stride = A;
+    p.layers = std::min<int64_t>(kMaxCommitLayers, static_cast<int64_t>(layers - l0));
+    for (int64_t l = 0; l < p.layers; ++l) {
+      const CommitRecurrentParams& c = prepared[l0 + l].params;
+      p.state_pool[l] = c.gdn.state_pool;
+      p.k[l] = c.gdn.k;
+      p.v[l] = c.gdn.v;
+      p.g[l] = c.gdn.g;
+      p.beta[l] = c.gdn.beta;
+      p.conv_x[l] = c.conv.x;
+      p.conv_pool[l] = c.conv.conv_pool;
+    }
+    run_op<kBackend>(op, kCommitKernels, p, k[0], p.layers * B, 1);
+  }
+}
+
+template <Backend kBackend>
+void commit_recurrent_(const Tensor& state, const Tensor& conv_state, const Tensor& slots,
+                       const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                       const Tensor& conv_x, const Tensor& accepted, const Tensor& accept_len) {
+  commit_layers<kBackend>("commit_recurrent_", {state}, {conv_state}, slots, {k}, {v}, {g}, {beta},
+                          {conv_x}, accepted, accept_len);
 }
 
 // commit_recurrent_ for every GDN layer of a model in one op call (the lists run in parallel:
-// entry i of each is layer i's state pool, conv pool and saved verify-pass tensors).
+// entry i of each is layer i's state pool, conv pool and saved verify-pass tensors); one launch
+// per kMaxCommitLayers layers.
 template <Backend kBackend>
 void commit_recurrent_layers_(at::TensorList states, at::TensorList conv_states, const Tensor& slots,
                               at::TensorList k, at::TensorList v, at::TensorList g,
                               at::TensorList beta, at::TensorList conv_x, const Tensor& accepted,
                               const Tensor& accept_len) {
-  const size_t layers = states.size();
-  for (const auto& [name, list] : {std::pair<const char*, at::TensorList>{"conv_states", conv_states},
-                                   {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"conv_x", conv_x}})
-    TORCH_CHECK(list.size() == layers, "commit_recurrent_layers_: ", name, " holds ", list.size(),
-                " tensors, states holds ", layers, " (one entry per layer in every list)");
-  for (size_t i = 0; i < layers; ++i)
-    commit_recurrent_<kBackend>(states[i], conv_states[i], slots, k[i], v[i], g[i], beta[i],
-                                conv_x[i], accepted, accept_len);
+  commit_layers<kBackend>("commit_recurrent_layers_", states, conv_states, slots, k, v, g, beta,
+                          conv_x, accepted, accept_len);
 }
 
 template <Backend kBackend>

@@ -117,7 +117,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
   p.root_tokens = roots.data_ptr<int64_t>();
   p.budgets = budgets.defined() ? budgets.data_ptr<int64_t>() : nullptr;
   p.batch = B;
-  p.depth = L;
+  p.levels = L;
   p.k = K;
   p.budget = budget;
   out.point(p);

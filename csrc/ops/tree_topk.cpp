@@ -132,7 +132,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chain_tree(const Tens
   const Tensor roots = as_long(root_tokens);
   ChainTreeParams p;
   p.batch = B;
-  p.depth = L;
+  p.levels = L;
   p.vocab = V;
   p.parts = split_parts(kBackend, logits, B * L, V);
   const Tensor source = kernel_logits<kBackend>(logits, p.dtype);

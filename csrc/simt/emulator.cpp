@@ -121,6 +121,7 @@ thread_local Block* tl_block = nullptr;
 thread_local std::vector<std::unique_ptr<Stack>> tl_stack_pool;  // reused across launches
 thread_local ThreadRegs tl_regs;
 uint64_t g_switches = 0;
+uint64_t g_grids = 0;
 
 std::string dim_str(dim3 d) {
   std::ostringstream s;
@@ -453,6 +454,8 @@ ThreadRegs& regs() { return tl_regs; }
 
 uint64_t context_switches() { return g_switches; }
 
+uint64_t grids_run() { return g_grids; }
+
 void syncthreads() {
   Block& b = current_block("__syncthreads");
   b.fibers[b.current].state = State::AtBlockBarrier;
@@ -548,6 +551,7 @@ void ldmatrix(uint32_t* out, const void* row, int num, bool trans) {
 }
 
 void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+  ++g_grids;
   if (tl_block) throw Error("SIMT emulator: kernel launched from inside a kernel");
   const uint64_t threads = static_cast<uint64_t>(block.x) * block.y * block.z;
   if (threads == 0 || threads > 1024 || block.z > 64)

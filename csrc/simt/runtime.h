@@ -50,6 +50,8 @@ ThreadRegs& regs();  // indices of the fiber that is running now
 
 // Number of fiber switches since the process started (for tests and benchmarks of the emulator).
 uint64_t context_switches();
+// Number of grids run since the process started (kernel launches; for tests of launch counts).
+uint64_t grids_run();
 
 void syncthreads();
 void syncwarp(unsigned mask = 0xffffffffu);

@@ -39,7 +39,7 @@ def _load_native():
 _C = _load_native()
 
 from . import _fake  # noqa: E402,F401  (registers the fake kernels)
-from .eagle import EagleVerifyInputs, gather_accepted, to_eagle_format  # noqa: E402
+from .eagle import EagleVerifyInputs, to_eagle_format  # noqa: E402
 from .ops import (  # noqa: E402
     DraftTree,
     GreedyVerdict,
@@ -51,6 +51,7 @@ from .ops import (  # noqa: E402
     commit_recurrent_,
     draft_attention,
     draft_to_tree,
+    gather_accepted,
     tree_attention,
     tree_attention_mask,
     tree_causal_conv1d,
@@ -77,11 +78,28 @@ def validation_enabled() -> bool:
     return bool(_C.validation_enabled())
 
 
+class validation:
+    """`with ddtree.validation(False):` runs the block with the ops' value checks off (the
+    speculative loop's rounds, whose inputs were checked once at the API boundary), then restores
+    the previous setting."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = bool(enabled)
+
+    def __enter__(self):
+        self.previous = validation_enabled()
+        set_validation(self.enabled)
+
+    def __exit__(self, *exc):
+        set_validation(self.previous)
+
+
 __all__ = [
     "__version__",
     "has_cuda_kernels",
     "set_validation",
     "validation_enabled",
+    "validation",
     "tree_visibility",
     "tree_attention_mask",
     "tree_attention",

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from .ops import DraftTree, tree_visibility
+from .ops import DraftTree, gather_accepted, tree_visibility  # noqa: F401 (re-exported)
 
 
 class EagleVerifyInputs(NamedTuple):
@@ -66,13 +66,3 @@ def to_eagle_format(tree: DraftTree, seq_lens: torch.Tensor, mask_mode: str = "f
         mask[start.reshape(-1)] = vis.visible.reshape(-1)
     return EagleVerifyInputs(tree.node_tokens.reshape(-1).clone(), mask, vis.positions.reshape(-1),
                              retrive_index, tree.first_child.clone(), tree.next_sibling.clone(), n)
-
-
-def gather_accepted(features: torch.Tensor, accepted: torch.Tensor,
-                    accept_len: torch.Tensor) -> torch.Tensor:
-    """Features of the accepted nodes in path order: [B, N, F] -> [B, A, F], rows at and beyond
-    accept_len zeroed (fixed shape, no host sync) — the drafter's next context (SPEC §6)."""
-    index = accepted.clamp(min=0)[..., None].expand(-1, -1, features.shape[-1])
-    out = torch.gather(features, 1, index)
-    valid = torch.arange(accepted.shape[1], device=accepted.device)[None, :] < accept_len[:, None]
-    return out * valid[..., None].to(out.dtype)

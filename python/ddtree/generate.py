@@ -2,39 +2,62 @@
 turns it into the optimal draft tree, the target verifies the whole tree in one forward pass, the
 accepted path is committed.
 
-Supported now: dense decoder targets (Qwen3, Qwen2, Llama, Mistral) and hybrid Qwen3.5 text /
-Qwen3-Next models (Gated DeltaNet layers run over the tree, see ddtree.hybrid), batches of
-prompts of different lengths (generate_batch; generate is one request of it), greedy and
-sampling. Verification attention: the "ddtree" attention implementation (`ddtree.hf.
-use_tree_attention(target)`: the tree_attention op on packed visibility rows), otherwise the
-target's own attention with the dense additive tree mask through transformers' 4-D mask path.
-Host synchronisation inside a round: one copy of the verdict (accepted paths, lengths, bonus
-tokens, tree tokens) to the host, needed to crop the shared KV cache, stream and stop. The DFlash drafter
-drafts the whole batch in one pass (`batched = True`: new context rows right-padded and masked);
-drafters without it are called request by request.
+Targets: dense decoders (Qwen3, Qwen2, Llama, Mistral) and hybrid Qwen3.5 text / Qwen3-Next models
+(Gated DeltaNet layers run over the tree, ddtree.hybrid); batches of prompts of different lengths
+(generate_batch; generate is one request of it); greedy and sampling.
+
+Every target and mode runs one round shape (ddtree.verify): fixed-size buffers, lengths and
+drafter features on the device, the target on transformers' StaticCache. A round is
+draft -> tree -> verify -> walk -> commit; its only host read is the round's verdict (accepted
+tokens and counts: streaming and stop checks), one copy. Inputs are checked once, here; inside
+the rounds the ops run with their value checks off (ddtree.validation). With cuda_graph=True the
+verify step and the drafter's step are captured once as CUDA graphs and replayed.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 
-from . import hf, hybrid, ops
+from . import hybrid, ops, validation
+from .verify import TargetVerifier
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 MODES = ("tree", "chain", "autoregressive")
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+class DraftState(Protocol):
+    """A drafter's state across the rounds of one generation."""
+
+    def step(self, bonus: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, L, V] of the blocks starting with bonus [B] (device, no host reads)."""
+
+    def commit(self, hidden_states, verdict: ops.GreedyVerdict) -> None:
+        """Takes the round's verdict (accepted rows of the target's hidden states) into account."""
+
+
+class Drafter(Protocol):
+    """What generate_batch needs from a drafter (DFlashDrafter is one)."""
+    block_size: int  # L + 1: the root and L draft depths
+
+    def check_target(self, target) -> None:
+        """Raises ValueError when the drafter does not belong to `target`."""
+
+    def begin(self, target, prompt_hidden_states, capacity: int, cuda_graph: bool) -> DraftState:
+        """The state for a batch of requests (one hidden-states tuple per prompt); contexts up
+        to `capacity` rows."""
 
 
 @dataclass
 class GenerationResult:
     tokens: List[int]                      # generated tokens, prompt excluded
     acceptance_lengths: List[int]          # tokens emitted per round (accepted + bonus)
-    seconds: float
-    stage_seconds: Dict[str, float] = field(default_factory=dict)
+    seconds: float                         # wall time of the call, prefill included
+    stage_seconds: Dict[str, float] = field(default_factory=dict)  # summed over rounds, synced
 
     @property
     def tau(self) -> float:
@@ -60,64 +83,80 @@ def _check_target(target) -> bool:
     return False
 
 
-def _same_layout(tensors):
-    """The tensors grouped by (shape, strides, dtype), order kept: commit_kv_layers_ batches."""
-    groups = {}
-    for t in tensors:
-        groups.setdefault((tuple(t.shape), t.stride(), t.dtype), []).append(t)
-    return list(groups.values())
-
-
-def _static_path_available(target) -> bool:
-    """The static verify path needs the tree_attention op for the target's attention layers."""
-    if not hf.uses_tree_attention(target):
-        return False
-    weight = target.get_input_embeddings().weight
-    cfg = target.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ops.attention_op_supports(weight.device, weight.dtype, head_dim)
-
-
 class _Sampler:
-    """Greedy or lossless sampling over a tree's target logits (verify_greedy / verify_sample)."""
+    """Greedy or lossless sampling over a tree's target logits (verify_greedy / verify_sample);
+    the per-round Philox offset lives on the device."""
 
-    def __init__(self, temperature, top_k, top_p, seed, depth):
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+    def __init__(self, temperature, top_k, top_p, seeds: torch.Tensor, depth: int):
+        self.temperature, self.top_k, self.top_p, self.seeds = temperature, top_k, top_p, seeds
         self.depth = depth
-        self.offset = 0
+        self.offset = torch.zeros_like(seeds)
 
-    def verify(self, tree: ops.DraftTree, logits: torch.Tensor, seed=None) -> ops.GreedyVerdict:
+    def verify(self, tree: ops.DraftTree, logits: torch.Tensor) -> ops.GreedyVerdict:
         if self.temperature <= 0:
             return ops.verify_greedy(tree, logits.argmax(-1), self.depth)
         self.offset += 1
         return ops.verify_sample(tree, logits.float(), self.depth, self.temperature, self.top_k,
-                                 self.top_p, self.seed if seed is None else seed, self.offset)
+                                 self.top_p, self.seeds, self.offset)
 
 
-def _no_context():
-    import contextlib
+def root_tree(tokens: torch.Tensor, start: torch.Tensor):
+    """(DraftTree, TreeVisibility) of one-node trees: the autoregressive step's 'tree'."""
+    none = torch.full((tokens.shape[0], 1), -1, dtype=torch.long, device=tokens.device)
+    tree = ops.DraftTree(tokens[:, None].clone(), none, none + 1, none, none,
+                         torch.ones_like(tokens))
+    return tree, ops.tree_visibility(tree.parents, tree.num_nodes, start)
 
-    return contextlib.nullcontext()
+
+class _NoDrafter:
+    """The autoregressive mode's drafter: no draft, the tree is the root alone."""
+
+    def step(self, bonus):
+        return None
+
+    def commit(self, hidden_states, verdict):
+        pass
 
 
-def _root_only_tree(token: torch.Tensor) -> ops.DraftTree:
-    z = torch.zeros(1, 1, dtype=torch.long, device=token.device)
-    return ops.DraftTree(token.view(1, 1).long(), z - 1, z, z - 1, z - 1,
-                         torch.ones(1, dtype=torch.long, device=token.device))
+class _StageClock:
+    """Per-round stage boundaries: CUDA events on a GPU (read once, after the last round),
+    perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: List[list] = []
+
+    def mark(self, new_round: bool = False) -> None:
+        if new_round:
+            self.marks.append([])
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[-1].append(event)
+        else:
+            self.marks[-1].append(time.perf_counter())
+
+    def totals(self) -> Dict[str, float]:
+        out = dict.fromkeys(STAGES, 0.0)
+        if self.cuda and self.marks:
+            torch.cuda.synchronize()
+        for m in self.marks:
+            for name, a, b in zip(STAGES, m, m[1:]):
+                out[name] += a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        return out
 
 
 def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode: str = "tree",
              budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids: Iterable[int] = (), seed: int = 0,
-             streamer: Optional[Callable[[List[int]], None]] = None, cuda_graph: bool = False,
-             static_cache: Optional[bool] = None) -> GenerationResult:
+             streamer: Optional[Callable[[List[int]], None]] = None,
+             cuda_graph: bool = False) -> GenerationResult:
     """Generates up to max_new_tokens after input_ids [1, P]. At temperature 0 the tokens equal the
     target's own greedy decoding; at temperature > 0 they are distributed as the target's sampling
     (temperature, top-k, top-p). mode "chain" verifies DFlash's single chain (K = 1), "tree" the
     optimal tree of `budget` nodes, "autoregressive" runs the target alone. cuda_graph=True
-    (CUDA, dense target on ddtree.hf.use_tree_attention) captures the fixed-shape verify step
-    once and replays it every round; static_cache=True runs that same static path without the
-    graph. (One request of generate_batch.)"""
+    (CUDA) captures the verify step and the drafter's step once and replays them every round.
+    (One request of generate_batch.)"""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be a non-empty [1, P] prompt, got shape "
                          f"{tuple(input_ids.shape)}")
@@ -128,48 +167,11 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
         raise ValueError(f"generate: budget must be >= 0, got {budget}")
     return generate_batch(target, drafter, [input_ids[0]], max_new_tokens, mode, budget,
                           temperature, top_k, top_p, stop_token_ids, seed,
-                          (lambda _, new: streamer(new)) if streamer else None, cuda_graph,
-                          static_cache)[0]
+                          (lambda _, new: streamer(new)) if streamer else None, cuda_graph)[0]
 
 
-def _merge_caches(target, caches, lengths):
-    """One batched cache from per-request prefill caches: attention layers right-padded to the
-    longest prompt (padding rows are masked by prefix_len), linear-attention states stacked."""
-    from transformers import DynamicCache
-
-    merged = DynamicCache(config=target.config)
-    longest = max(lengths)
-    for i, layer in enumerate(merged.layers):
-        parts = [c.layers[i] for c in caches]
-        if getattr(parts[0], "keys", None) is not None:
-            pad = [(0, 0, 0, longest - int(n)) for n in lengths]
-            keys = torch.cat([F.pad(p.keys, pd) for p, pd in zip(parts, pad)])
-            values = torch.cat([F.pad(p.values, pd) for p, pd in zip(parts, pad)])
-            merged.update(keys, values, i)
-        else:
-            merged.update_conv_state(torch.cat([p.conv_states[0] for p in parts]), i)
-            merged.update_recurrent_state(torch.cat([p.recurrent_states[0] for p in parts]), i)
-    return merged
-
-
-@torch.no_grad()
-def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "tree",
-                   budget=64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   stop_token_ids: Iterable[int] = (), seed: int = 0,
-                   streamer: Optional[Callable[[int, List[int]], None]] = None,
-                   cuda_graph: bool = False, static_cache: Optional[bool] = None
-                   ) -> List[GenerationResult]:
-    """Batched `generate`: prompts of different lengths (list of token lists / 1-D tensors) and
-    per-request budgets (int or list). The requests share one KV cache whose rows past a request's
-    valid length are padding (masked by prefix_len; paths committed to each request's length).
-    A finished request stops advancing (its accepted rows are no longer committed).
-    static_cache: the target verifies on transformers' StaticCache with fixed-shape buffers
-    (ddtree.static_verify: no cache concatenation or crop per round); default on for targets on
-    the tree_attention implementation whose attention the kernel covers, and for cuda_graph;
-    cuda_graph: that step (hybrid Gated DeltaNet layers included) is captured once as a CUDA
-    graph and replayed, and so is the DFlash drafter's step when it runs on draft_attention
-    (static_verify.StaticDrafter; with static_cache alone it runs eagerly).
-    Returns one GenerationResult per request; streamer(request, new_tokens)."""
+def _check_request(target, drafter, prompts, max_new_tokens, mode, budget):
+    """The API boundary's checks; returns (prompts as 1-D long tensors, budgets, is_hybrid)."""
     if mode not in MODES:
         raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
@@ -181,161 +183,128 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, mode: str = "t
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     is_hybrid = _check_target(target)
-    if static_cache is None:
-        static_cache = cuda_graph or _static_path_available(target)
-    if cuda_graph and not static_cache:
-        raise ValueError("generate: cuda_graph=True needs static_cache (fixed-shape verify step)")
-    speculative = mode != "autoregressive"
-    if speculative:
+    if mode != "autoregressive":
         if drafter is None:
             raise ValueError(f"generate: mode '{mode}' needs a drafter")
-        if hasattr(drafter, "check_target"):
-            drafter.check_target(target)
-    from transformers import DynamicCache
+        missing = [a for a in ("block_size", "check_target", "begin") if not hasattr(drafter, a)]
+        if missing:
+            raise TypeError(f"generate: the drafter must follow the ddtree.generate.Drafter "
+                            f"protocol (block_size, check_target, begin); "
+                            f"{type(drafter).__name__} lacks {', '.join(missing)}")
+        drafter.check_target(target)
+    return prompts, budgets, is_hybrid
 
-    device = target.get_input_embeddings().weight.device
-    batch = len(prompts)
-    depth = drafter.block_size - 1 if speculative else 0
-    seeds = torch.tensor([seed * 1000003 + b for b in range(batch)], device=device)
-    sampler = _Sampler(temperature, top_k, top_p, seeds, depth)
-    started = time.perf_counter()
-    stops = set(int(t) for t in stop_token_ids)
-    caches, features, first = [], [], []
-    for b, prompt in enumerate(prompts):
-        cache = DynamicCache(config=target.config)
-        out = target(input_ids=prompt[None].to(device), past_key_values=cache, use_cache=True,
-                     output_hidden_states=speculative)
-        verdict = sampler.verify(_root_only_tree(prompt[-1:].to(device)), out.logits[:, -1:],
-                                 seed=seeds[b:b + 1])
-        first.append(verdict.bonus)
-        caches.append(cache)
-        if speculative:
-            features.append(drafter.target_features(out.hidden_states))
-    valid = torch.tensor([p.numel() for p in prompts], device=device)
-    valid_h = valid.tolist()
-    cache = _merge_caches(target, caches, valid_h)
-    phys = max(valid_h)
-    verifier = None
-    if static_cache:
-        from .static_verify import StaticVerifier
 
-        n_rows = 1 if not speculative else (depth + 1 if mode == "chain" else max(budgets) + 1)
-        verifier = StaticVerifier(target, cache, batch, n_rows,
-                                  phys + max_new_tokens + depth + n_rows + 1, speculative,
-                                  cuda_graph, is_hybrid, depth)
-        cache = verifier.cache
-    bonus = torch.cat(first)
-    batched_drafter = speculative and getattr(drafter, "batched", False)
-    static_drafter = None
-    if not speculative:
-        draft_caches = None
-    elif (batched_drafter and static_cache and hasattr(drafter, "draft_block")
-          and getattr(drafter.new_cache(), "fused", False)):
-        from .static_verify import StaticDrafter
+class _Requests:
+    """Host-side bookkeeping: each request's tokens, round lengths, streaming and stop rule; and
+    the device-side mirror of 'still generating' (alive) and tokens emitted."""
 
-        static_drafter = StaticDrafter(drafter, target, batch, phys + max_new_tokens + 2 * (depth + 1),
-                                       features[0].shape[-1], cuda_graph)
-        draft_caches = static_drafter.cache
-    elif batched_drafter:
-        draft_caches = drafter.new_cache(batch)
-    else:
-        draft_caches = [drafter.new_cache() for _ in range(batch)]
-    tokens = [[int(t)] for t in bonus.tolist()]
-    lengths: List[List[int]] = [[] for _ in range(batch)]
-    if streamer:
-        for b in range(batch):
-            streamer(b, list(tokens[b]))
-    budget_t = torch.tensor(budgets, device=device)
+    def __init__(self, first: List[int], max_new_tokens, stops, streamer, device):
+        self.tokens = [[t] for t in first]
+        self.lengths: List[List[int]] = [[] for _ in first]
+        self.max_new, self.stops, self.streamer = max_new_tokens, stops, streamer
+        self.stops_t = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+        for b, toks in enumerate(self.tokens):
+            self._stream(b, toks)
+        self.alive = torch.tensor([not self.finished(b) for b in range(len(first))], device=device)
+        self.count = torch.ones(len(first), dtype=torch.long, device=device)
 
-    def finished(b) -> bool:
-        return len(tokens[b]) >= max_new_tokens or any(t in stops for t in tokens[b])
+    def finished(self, b: int) -> bool:
+        return len(self.tokens[b]) >= self.max_new or any(t in self.stops for t in self.tokens[b])
 
-    stages = dict(draft=0.0, tree=0.0, verify=0.0, commit=0.0)
-    while not all(finished(b) for b in range(batch)):
-        t0 = time.perf_counter()
-        if static_drafter is not None:
-            logits = static_drafter.propose(bonus, features)
-        elif batched_drafter:
-            logits = drafter.propose(target, bonus, features, draft_caches)
-        elif speculative:
-            logits = torch.cat([drafter.propose(target, bonus[b:b + 1], features[b], draft_caches[b])
-                                for b in range(batch)])
-        t1 = time.perf_counter()
-        if speculative:
-            if mode == "chain":  # the argmax chain, without the log-softmax / top-k machinery
-                tree, vis = ops.chain_to_tree(logits, bonus, start=valid)
-            else:
-                tree, vis = ops.draft_to_tree(logits, bonus, max(budgets), start=valid,
-                                              budgets=budget_t)
-        else:
-            none = torch.full((batch, 1), -1, dtype=torch.long, device=device)
-            tree = ops.DraftTree(bonus[:, None].clone(), none, none + 1, none, none,
-                                 torch.ones(batch, dtype=torch.long, device=device))
-            vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
-        n = tree.node_tokens.shape[1]
-        t2 = time.perf_counter()
-        if verifier is not None:
-            logits, hidden_states = verifier.run(tree, vis, valid, phys)
-            tree_pass = verifier.tree_pass
-        else:
-            tree_pass = hybrid.TreePass(tree, depth)
-            if hf.uses_tree_attention(target):
-                mask = vis.packed[:, None]
-            else:
-                mask = ops.tree_attention_mask(tree.parents, tree.num_nodes, phys,
-                                               target.get_input_embeddings().weight.dtype, valid)
-            with hybrid.tree_verification(target, tree_pass) if is_hybrid else _no_context(), \
-                    hf.batch_prefix(valid):
-                out = target(input_ids=tree.node_tokens, position_ids=vis.positions,
-                             attention_mask={"full_attention": mask, "linear_attention": None}
-                             if is_hybrid else mask,
-                             past_key_values=cache, use_cache=True,
-                             output_hidden_states=speculative)
-            logits, hidden_states = out.logits, out.hidden_states
-        verdict = sampler.verify(tree, logits)
-        # Finished requests stop advancing: nothing of theirs is committed any more.
-        alive = torch.tensor([not finished(b) for b in range(batch)], device=device)
-        verdict = verdict._replace(accept_len=verdict.accept_len * alive)
-        t3 = time.perf_counter()
-        # The round's one host read: everything the host needs from the verdict.
-        accepted, accept_len, bonus_h, node_tokens = (
-            t.tolist() for t in (verdict.accepted, verdict.accept_len, verdict.bonus,
-                                 tree.node_tokens))
-        start = torch.full((batch,), phys, dtype=torch.long, device=device)
-        new_valid = valid + verdict.accept_len
-        new_phys = max(v + a for v, a in zip(valid_h, accept_len))
-        attention = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-        for group in _same_layout([t for layer in attention for t in (layer.keys, layer.values)]):
-            ops.commit_kv_layers_(group, start, verdict.accepted, verdict.accept_len, "BHSD", valid)
-        if verifier is None and phys + n > new_phys:
-            for layer in attention:
-                layer.crop(-(phys + n - new_phys))
-        if is_hybrid:
-            hybrid.commit(cache, tree_pass, verdict)
-        if speculative:
-            all_features = drafter.target_features(hidden_states)
-        for b in range(batch):
-            path = accepted[b][: accept_len[b]]
-            if speculative:
-                features[b] = all_features[b:b + 1, path]
-            if finished(b):
+    def all_finished(self) -> bool:
+        return all(self.finished(b) for b in range(len(self.tokens)))
+
+    def _stream(self, b, new):
+        if self.streamer:
+            self.streamer(b, list(new))
+
+    def emitted(self, tree: ops.DraftTree, verdict: ops.GreedyVerdict) -> torch.Tensor:
+        """[B, 1 + A]: accept_len, then the round's new tokens (accepted nodes after the root,
+        then the bonus) padded; updates alive / count on the device."""
+        n_acc = verdict.accept_len
+        path = tree.node_tokens.gather(1, verdict.accepted.clamp(min=0))[:, 1:]
+        new = torch.cat([path, path.new_zeros(path.shape[0], 1)], 1)
+        new.scatter_(1, (n_acc - 1).clamp(min=0)[:, None], verdict.bonus[:, None])
+        real = torch.arange(new.shape[1], device=new.device)[None, :] < n_acc[:, None]
+        stopped = (torch.isin(new, self.stops_t) & real).any(1)
+        self.count += n_acc
+        self.alive &= (self.count < self.max_new) & ~stopped
+        return torch.cat([n_acc[:, None], new], 1)
+
+    def take(self, host_rows: List[List[int]]) -> None:
+        """The round's host copy of emitted(): extend, stream."""
+        for b, row in enumerate(host_rows):
+            if row[0] == 0:  # finished before this round
                 continue
-            new = [node_tokens[b][i] for i in path[1:]] + [bonus_h[b]]
-            lengths[b].append(len(new))
-            tokens[b].extend(new)
-            if streamer:
-                streamer(b, new)
-        valid, phys, bonus = new_valid, new_phys, verdict.bonus
-        valid_h = [v + a for v, a in zip(valid_h, accept_len)]
-        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
-            stages[name] += dt
-    seconds = time.perf_counter() - started
-    results = []
-    for b in range(batch):
-        toks = tokens[b]
-        for i, t in enumerate(toks):
-            if t in stops:
-                toks = toks[: i + 1]
-                break
-        results.append(GenerationResult(toks[:max_new_tokens], lengths[b], seconds, dict(stages)))
-    return results
+            new = row[1: 1 + row[0]]
+            self.lengths[b].append(len(new))
+            self.tokens[b].extend(new)
+            self._stream(b, new)
+
+    def results(self, seconds: float, stages: Dict[str, float]) -> List[GenerationResult]:
+        out = []
+        for toks, lengths in zip(self.tokens, self.lengths):
+            cut = next((i + 1 for i, t in enumerate(toks) if t in self.stops), len(toks))
+            out.append(GenerationResult(toks[: min(cut, self.max_new)], lengths, seconds,
+                                        dict(stages)))
+        return out
+
+
+@torch.no_grad()
+def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: int,
+                   mode: str = "tree", budget=64, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, stop_token_ids: Iterable[int] = (), seed: int = 0,
+                   streamer: Optional[Callable[[int, List[int]], None]] = None,
+                   cuda_graph: bool = False) -> List[GenerationResult]:
+    """Batched `generate`: prompts of different lengths (list of token lists / 1-D tensors) and
+    per-request budgets (int or list). The requests share one static cache whose rows between a
+    request's valid length and the tree's start row are padding (masked). A finished request
+    stops advancing (nothing of it is committed any more). Returns one GenerationResult per
+    request; streamer(request, new_tokens)."""
+    prompts, budgets, is_hybrid = _check_request(target, drafter, prompts, max_new_tokens, mode,
+                                                 budget)
+    started = time.perf_counter()
+    device = target.get_input_embeddings().weight.device
+    batch, depth = len(prompts), (drafter.block_size - 1 if mode != "autoregressive" else 0)
+    n = 1 if mode == "autoregressive" else depth + 1 if mode == "chain" else max(budgets) + 1
+    longest = max(p.numel() for p in prompts)
+    # A request's valid rows stay below longest + max_new_tokens + depth (a round overshoots
+    # max_new_tokens by at most depth); the tree goes on top, the drafter writes a block there.
+    verifier = TargetVerifier(target, batch, n, depth, longest + max_new_tokens + depth + n,
+                              mode != "autoregressive", cuda_graph, is_hybrid)
+    sampler = _Sampler(temperature, top_k, top_p,
+                       torch.tensor([seed * 1000003 + b for b in range(batch)], device=device), depth)
+    prompts = [p.to(device) for p in prompts]
+    last, prompt_hidden = verifier.prefill(prompts)
+    valid = torch.tensor([p.numel() for p in prompts], device=device)
+    bonus = sampler.verify(root_tree(torch.stack([p[-1] for p in prompts]), valid)[0], last).bonus
+    requests = _Requests(bonus.tolist(), max_new_tokens, set(int(t) for t in stop_token_ids),
+                         streamer, device)
+    draft = _NoDrafter() if mode == "autoregressive" else \
+        drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
+    budget_t = torch.tensor(budgets, device=device)
+    clock = _StageClock(device)
+    with validation(False), verifier.hybrid_layers():
+        while not requests.all_finished():
+            clock.mark(new_round=True)
+            draft_logits = draft.step(bonus)
+            clock.mark()
+            if mode == "tree":
+                tree, vis = ops.draft_to_tree(draft_logits, bonus, n - 1, valid, budget_t)
+            elif mode == "chain":  # the argmax chain, without the log-softmax / top-k machinery
+                tree, vis = ops.chain_to_tree(draft_logits, bonus, valid)
+            else:
+                tree, vis = root_tree(bonus, valid)
+            clock.mark()
+            logits, hidden_states = verifier.step(tree, vis, valid)
+            verdict = sampler.verify(tree, logits)
+            verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
+            clock.mark()
+            verifier.commit(verdict)
+            draft.commit(hidden_states, verdict)
+            emitted = requests.emitted(tree, verdict)
+            valid, bonus = valid + verdict.accept_len, verdict.bonus
+            requests.take(emitted.tolist())  # the round's one host read
+            clock.mark()
+    return requests.results(time.perf_counter() - started, clock.totals())

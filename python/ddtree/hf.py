@@ -1,83 +1,77 @@
-"""transformers integration through its public extension points: the "ddtree" attention
-implementation (AttentionInterface + AttentionMaskInterface).
+"""transformers integration through its public extension points.
 
-During tree verification the loop passes the packed visibility rows as a 4-D int32
-`attention_mask` [B, 1, N, ceil(N/32)]; transformers hands a 4-D mask to the attention function
-unchanged, and this function runs the `tree_attention` op on it — no dense [N, past + N] mask is
-built. Every other call (prefill, autoregressive steps) goes to transformers' SDPA path.
+A verify pass hands its tree to the target's layers explicitly: the loop calls the target with the
+keyword `ddtree_tree=TreeBatch(...)`, which transformers passes down, with the other extra
+keywords, to every attention function and every linear-attention module (ddtree.hybrid). The
+"ddtree" attention implementation (AttentionInterface + AttentionMaskInterface) runs the
+`tree_attention` op on the packed visibility rows when it gets a TreeBatch, and transformers' SDPA
+path for every other call (prefill, plain decoding). Targets on another implementation verify
+through `dense_tree_mask`, a fixed-shape additive mask built from the same packed rows.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
+from dataclasses import dataclass, field
+from typing import Dict
 
 import torch
 
 from .ops import attention_op_supports, tree_attention
 
 NAME = "ddtree"
-# Per-request valid prefix lengths of a batched verify pass (rows between a request's length and
-# the shared tree start are padding); set by the batched loop around the target's forward.
-_PREFIX_LEN: contextvars.ContextVar = contextvars.ContextVar("ddtree_prefix_len", default=None)
-# Row where the tree block starts in the keys ([B] int64), for caches whose key tensors are longer
-# than prefix + tree (transformers' StaticCache); None: the tree rows are the last N keys.
-_TREE_START: contextvars.ContextVar = contextvars.ContextVar("ddtree_tree_start", default=None)
+TREE_KWARG = "ddtree_tree"
 
 
-@contextlib.contextmanager
-def _bound(var: contextvars.ContextVar, value):
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
+@dataclass
+class TreeBatch:
+    """One verify pass over a padded batch of trees whose root rows sit at cache row `start`
+    (the same for every request; rows between a request's `prefix` and `start` are padding).
+    Fixed shapes: static buffers of a verifier, so a CUDA graph can capture the pass."""
+    tokens: torch.Tensor     # int64 [B, N] node tokens
+    positions: torch.Tensor  # int64 [B, N] prefix + depth
+    parents: torch.Tensor    # int64 [B, N], -1 for the root and padding rows
+    num_nodes: torch.Tensor  # int64 [B]
+    packed: torch.Tensor     # int32 [B, N, ceil(N / 32)] visibility rows (tree_visibility)
+    prefix: torch.Tensor     # int64 [B] valid cache rows of each request
+    start: torch.Tensor      # int64 [B] cache row of the root (all equal)
+    max_depth: int
+    # Per Gated DeltaNet layer (by layer index): the pass's tensors the recurrent commit reads.
+    recurrent: Dict[int, tuple] = field(default_factory=dict)
 
 
-def batch_prefix(prefix_len):
-    """Per-request valid prefix lengths [B] for the verify passes inside the `with`."""
-    return _bound(_PREFIX_LEN, prefix_len)
-
-
-def tree_start(start):
-    """Row where the tree block starts in the keys, [B], for the verify passes inside the `with`."""
-    return _bound(_TREE_START, start)
-
-
-def is_tree_mask(mask) -> bool:
-    return isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4
+def dense_tree_mask(tree: TreeBatch, key_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, N, key_len] of a verify pass over a cache of key_len rows: 0 for a
+    request's valid prefix rows and for the visible tree rows [start, start + N), the dtype's
+    minimum elsewhere (padding and unwritten rows)."""
+    packed = tree.packed
+    batch, n = packed.shape[:2]
+    cols = torch.arange(key_len, device=packed.device)
+    rel = cols[None, :] - tree.start[:, None]                       # [B, S] tree row of a column
+    in_tree = (rel >= 0) & (rel < n)
+    rel = rel.clamp(0, n - 1)
+    words = packed.gather(2, (rel // 32)[:, None, :].expand(batch, n, key_len))
+    bits = ((words >> (rel % 32).to(torch.int32)[:, None, :]) & 1).bool()  # [B, N, S]
+    prefix = (cols[None, :] < tree.prefix[:, None])[:, None, :]
+    visible = torch.where(in_tree[:, None, :], bits, prefix)
+    zero = torch.zeros((), dtype=dtype, device=packed.device)
+    return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
 
 
 def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                           scaling=None, **kwargs):
+                           scaling=None, ddtree_tree: TreeBatch = None, **kwargs):
     """transformers attention function: query [B, Hq, N, D], key / value [B, Hkv, S, D] (cache
-    updated, tree rows last); returns ([B, N, Hq, D], None)."""
+    updated); returns ([B, N, Hq, D], None). With a TreeBatch: the tree_attention op where its
+    kernel covers dtype and head size, else SDPA on dense_tree_mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not is_tree_mask(attention_mask):
+    if ddtree_tree is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    packed = attention_mask[:, 0]
-    batch, n = packed.shape[0], packed.shape[1]
-    start = _TREE_START.get()
-    past = start if start is not None else torch.full((batch,), key.shape[2] - n, dtype=torch.long,
-                                                      device=key.device)
-    kernel_ok = attention_op_supports(query.device, query.dtype, query.shape[-1])
-    prefix = _PREFIX_LEN.get()
-    if kernel_ok:
-        return tree_attention(query.transpose(1, 2), key, value, past, packed, scaling, prefix), None
-    if start is not None:
-        raise ValueError("ddtree: verification on a static cache needs the tree_attention kernel "
-                         f"(CUDA: bfloat16 / float16, head_dim 64, 128 or 256); got {query.dtype}, "
-                         f"head_dim {query.shape[-1]}")
-    # No kernel for this dtype / head size on this device: dense mask from the packed bits.
-    bits = (packed[..., None] >> torch.arange(32, device=packed.device, dtype=torch.int32)) & 1
-    tree = bits.flatten(-2)[..., :n].bool()                        # [B, N, N]
-    mask = torch.ones(batch, 1, n, key.shape[2], dtype=torch.bool, device=key.device)
-    mask[:, 0, :, key.shape[2] - n:] = tree
-    if prefix is not None:
-        cols = torch.arange(key.shape[2] - n, device=key.device)
-        mask[:, 0, :, : key.shape[2] - n] = (cols[None, :] < prefix[:, None])[:, None, :]
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+    t = ddtree_tree
+    if attention_op_supports(query.device, query.dtype, query.shape[-1]):
+        return tree_attention(query.transpose(1, 2), key, value, t.start, t.packed, scaling,
+                              t.prefix), None
+    return sdpa_attention_forward(module, query, key, value,
+                                  dense_tree_mask(t, key.shape[2], query.dtype), dropout=dropout,
                                   scaling=scaling, **kwargs)
 
 

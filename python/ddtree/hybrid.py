@@ -5,14 +5,17 @@ recurrence come from the ddtree ops (every node from its parent's state, the roo
 state) instead of the chain kernels, using the module's own projections, norm and parameters and
 transformers' cache objects (`cache.layers[i].conv_states[0]` [B, C, W],
 `.recurrent_states[0]` [B, Hv, Dk, Dv]). Nothing is written to the cache during the pass;
-`commit` then moves each layer's conv window and recurrent state along the accepted path. The
-module's forward is swapped on the instance for the duration of the pass only (transformers keeps
-no other hook that can replace the layer's computation); prefill and plain decoding run unchanged.
+`commit` then moves each layer's conv window and recurrent state along the accepted path. The tree
+comes with the call (transformers passes the forward's `ddtree_tree` keyword down to these
+modules); for the length of a generation the modules' forward accepts that keyword
+(`tree_layers`), and without it runs the class's own forward: prefill and plain decoding are
+unchanged.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+import functools
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -44,61 +47,57 @@ def gated_delta_layers(model) -> List[torch.nn.Module]:
     return [m for m in model.modules() if is_gated_delta_net(m)]
 
 
-class TreePass:
-    """Tree structure of the current verify pass plus, per GDN layer, what the commit needs."""
-
-    def __init__(self, tree: ops.DraftTree, max_depth: int):
-        self.tree = tree
-        self.max_depth = max_depth
-        self.saved: Dict[int, tuple] = {}
-
-
-def _tree_forward(module, tree_pass: TreePass):
-    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        b, n, _ = hidden_states.shape
-        layer = cache_params.layers[module.layer_idx]
-        conv_state, state = layer.conv_states[0], layer.recurrent_states[0]
-        slots = torch.arange(b, device=hidden_states.device)
-        tree = tree_pass.tree
-        mixed, z, b_proj, a_proj = _projections(module, hidden_states)  # mixed: conv inputs
-        beta = b_proj.sigmoid()
-        g = -module.A_log.float().exp() * F.softplus(a_proj.float() + module.dt_bias)
-        conv = ops.tree_causal_conv1d(mixed, conv_state, slots, module.conv1d.weight.squeeze(1),
-                                      module.conv1d.bias, tree.parents, tree.num_nodes,
-                                      module.activation)
-        q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        q = q.reshape(b, n, -1, module.head_k_dim)
-        k = k.reshape(b, n, -1, module.head_k_dim)
-        v = v.reshape(b, n, -1, module.head_v_dim)
-        core = ops.tree_gated_delta_rule(q, k, v, g, beta, state, slots, tree.parents,
-                                         tree.num_nodes, tree_pass.max_depth).to(v.dtype)
-        tree_pass.saved[module.layer_idx] = (mixed, k, v, g, beta)
-        core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-        return module.out_proj(core.reshape(b, n, -1))
-
-    return forward
+def _tree_forward(module, hidden_states, cache_params=None, attention_mask=None,
+                  ddtree_tree=None, **kwargs):
+    """The module's forward, except inside a verify pass (a TreeBatch in `ddtree_tree`): then the
+    conv and the recurrence run over the tree from the committed states (not modified), and the
+    tensors the commit needs are left in ddtree_tree.recurrent[layer index]."""
+    if ddtree_tree is None:
+        return type(module).forward(module, hidden_states, cache_params=cache_params,
+                                    attention_mask=attention_mask, **kwargs)
+    tree = ddtree_tree
+    b, n, _ = hidden_states.shape
+    layer = cache_params.layers[module.layer_idx]
+    conv_state, state = layer.conv_states[0], layer.recurrent_states[0]
+    slots = torch.arange(b, device=hidden_states.device)
+    mixed, z, b_proj, a_proj = _projections(module, hidden_states)  # mixed: conv inputs
+    beta = b_proj.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a_proj.float() + module.dt_bias)
+    conv = ops.tree_causal_conv1d(mixed, conv_state, slots, module.conv1d.weight.squeeze(1),
+                                  module.conv1d.bias, tree.parents, tree.num_nodes,
+                                  module.activation)
+    q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(b, n, -1, module.head_k_dim)
+    k = k.reshape(b, n, -1, module.head_k_dim)
+    v = v.reshape(b, n, -1, module.head_v_dim)
+    core = ops.tree_gated_delta_rule(q, k, v, g, beta, state, slots, tree.parents,
+                                     tree.num_nodes, tree.max_depth).to(v.dtype)
+    tree.recurrent[module.layer_idx] = (mixed, k, v, g, beta)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(b, n, -1))
 
 
 @contextlib.contextmanager
-def tree_verification(model, tree_pass: TreePass):
-    """Within the block, every Gated DeltaNet module of `model` runs over tree_pass.tree."""
+def tree_layers(model):
+    """Within the block every Gated DeltaNet module of `model` accepts the `ddtree_tree` keyword
+    (see _tree_forward); afterwards the class's forward is back."""
     modules = gated_delta_layers(model)
     for m in modules:
-        m.forward = _tree_forward(m, tree_pass)
+        m.forward = functools.partial(_tree_forward, m)
     try:
-        yield tree_pass
+        yield
     finally:
         for m in modules:
-            del m.forward  # back to the class's forward
+            del m.forward
 
 
-def commit(cache, tree_pass: TreePass, verdict: ops.GreedyVerdict) -> None:
+def commit(cache, tree, verdict: ops.GreedyVerdict) -> None:
     """Conv windows and recurrent states of every GDN layer move along the accepted path (one op
-    call for all layers)."""
-    if not tree_pass.saved:
+    call for all layers); tree: the pass's TreeBatch."""
+    if not tree.recurrent:
         return
-    idx = list(tree_pass.saved)
-    mixed, k, v, g, beta = (list(t) for t in zip(*(tree_pass.saved[i] for i in idx)))
+    idx = sorted(tree.recurrent)
+    mixed, k, v, g, beta = (list(t) for t in zip(*(tree.recurrent[i] for i in idx)))
     slots = torch.arange(k[0].shape[0], device=k[0].device)
     ops.commit_recurrent_layers_([cache.layers[i].recurrent_states[0] for i in idx],
                                  [cache.layers[i].conv_states[0] for i in idx], slots, k, v, g, beta,

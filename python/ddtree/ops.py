@@ -188,6 +188,16 @@ def chain_to_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor,
     return tree, tree_visibility(tree.parents, tree.num_nodes, start)
 
 
+def gather_accepted(features: torch.Tensor, accepted: torch.Tensor,
+                    accept_len: torch.Tensor) -> torch.Tensor:
+    """Features of the accepted nodes in path order: [B, N, F] -> [B, A, F], rows at and beyond
+    accept_len zeroed (fixed shape, no host sync) — the drafter's next context (SPEC §6)."""
+    index = accepted.clamp(min=0)[..., None].expand(-1, -1, features.shape[-1])
+    out = torch.gather(features, 1, index)
+    valid = torch.arange(accepted.shape[1], device=accepted.device)[None, :] < accept_len[:, None]
+    return torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 def tree_causal_conv1d(x, conv_state, slots, weight, bias, parents, num_nodes,
                        activation: Optional[str] = "silu") -> torch.Tensor:
     """Depthwise causal conv over a tree (SPEC §7): node i convolves [anc_{W-1}, ..., parent, x_i],

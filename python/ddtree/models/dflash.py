@@ -61,11 +61,11 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, ctx_rows: "_ContextRows", fused=False):
+    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, ctx_rows: "ContextRows", fused=False):
         """x [B, S, H] (normed block rows), ctx [B, C, H] new context rows (request b's first
-        ctx_rows.new[b] valid, the rest padding); rope_q / rope_kv = (cos, sin) of the block rows /
+        ctx_rows.new_t[b] valid, the rest padding); rope_q / rope_kv = (cos, sin) of the block rows /
         of [ctx; block]; cache_kv = (K, V) [B, Hkv, capacity, D], request b's first
-        ctx_rows.cached[b] rows committed. Appends the valid context rows to the cache and returns
+        ctx_rows.cached_t[b] rows committed. Appends the valid context rows to the cache and returns
         the attention output [B, S, H]. fused: one draft_attention launch; else projections,
         norm, RoPE and SDPA with a key mask (the reference path)."""
         b, s, _ = x.shape
@@ -79,12 +79,13 @@ class DFlashAttention(nn.Module):
                                   self.q_norm.variance_epsilon, context_len=ctx_rows.new_t)
             return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
         q, k, v = self.norm_rope(q, k, v, rope_q, rope_kv)
-        (rows, at), src = ctx_rows.scatter
-        cache_kv[0][rows, :, at] = k[rows, :, src]
-        cache_kv[1][rows, :, at] = v[rows, :, src]
-        span = ctx_rows.span
-        keys = torch.cat([cache_kv[0][:, :, :span], k[:, :, c:]], 2)
-        values = torch.cat([cache_kv[1][:, :, :span], v[:, :, c:]], 2)
+        # Every new row (padding too) is written at cached + j; padding rows lie past the
+        # request's context, are masked, and the next rows overwrite them.
+        at = (ctx_rows.cached_t[:, None] + torch.arange(c, device=x.device))[:, None, :, None]
+        for cache, new in zip(cache_kv, (k, v)):
+            cache.scatter_(2, at.expand(-1, cache.shape[1], -1, cache.shape[3]), new[:, :, :c])
+        keys = torch.cat([cache_kv[0][:, :, : ctx_rows.key_rows], k[:, :, c:]], 2)
+        values = torch.cat([cache_kv[1][:, :, : ctx_rows.key_rows], v[:, :, c:]], 2)
         return self.attend(q, keys, values, ctx_rows.key_mask(s))
 
     def project(self, x, ctx):
@@ -114,31 +115,20 @@ class DFlashAttention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-class _ContextRows:
-    """Where one propose() round's new context rows go, per request: cached[b] rows already in
-    the cache, new[b] valid rows appended at cached[b] (host lists and device tensors)."""
+class ContextRows:
+    """Where a drafter step's new context rows go (device tensors [B]): request b has cached[b]
+    rows in the cache and brings new[b] valid rows (the rest of the C rows is padding). The
+    unfused path attends to the first key_rows cache rows (a host int: the loop's capacity, or
+    propose()'s longest context), masked per request."""
 
-    def __init__(self, cached: List[int], new: List[int], device):
-        self.cached, self.new = cached, new
-        self.cached_t = torch.tensor(cached, dtype=torch.long, device=device)
-        self.new_t = torch.tensor(new, dtype=torch.long, device=device)
-        self.span = max(c + n for c, n in zip(cached, new))  # cache rows any request sees
-        self.device = device
-
-    @functools.cached_property
-    def scatter(self):
-        """((request, cache row), new row) index tensors of every valid new row, for the unfused
-        path's cache write (the fused path never builds them)."""
-        rows = [b for b, n in enumerate(self.new) for _ in range(n)]
-        src = [j for n in self.new for j in range(n)]
-        at = [self.cached[b] + j for b, j in zip(rows, src)]
-        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return (as_t(rows), as_t(at)), as_t(src)
+    def __init__(self, cached_t: torch.Tensor, new_t: torch.Tensor, key_rows: int):
+        self.cached_t, self.new_t, self.key_rows = cached_t, new_t, key_rows
 
     def key_mask(self, block_rows: int) -> torch.Tensor:
-        """[B, 1, 1, span + block_rows]: request b sees its cached + new rows and the block."""
-        valid = torch.arange(self.span, device=self.device)[None] < (self.cached_t + self.new_t)[:, None]
-        block = torch.ones(valid.shape[0], block_rows, dtype=torch.bool, device=self.device)
+        """[B, 1, 1, key_rows + block_rows]: request b sees its cached + new rows and the block."""
+        cols = torch.arange(self.key_rows, device=self.cached_t.device)
+        valid = cols[None] < (self.cached_t + self.new_t)[:, None]
+        block = valid.new_ones(valid.shape[0], block_rows)
         return torch.cat([valid, block], 1)[:, None, None]
 
 
@@ -289,9 +279,6 @@ class DFlashDrafter(nn.Module):
             self.reserve(cache, batch, capacity)
         return cache
 
-    # generate_batch drafts all requests in one propose() call (features as a list)
-    batched = True
-
     @torch.no_grad()
     def propose(self, target, bonus: torch.Tensor, features, cache: DraftCache) -> torch.Tensor:
         """bonus [B] (each block's first token); features: [B, C, n*H], or a list of B tensors
@@ -311,11 +298,19 @@ class DFlashDrafter(nn.Module):
         new = [f.shape[0] for f in feats]
         ctx_in = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True) if max(new) > 0 \
             else feats[0].new_zeros(b, 0, feats[0].shape[-1])
-        rows = _ContextRows(list(cache.lengths), new, device)
-        self.reserve(cache, b, rows.span)
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        rows = ContextRows(as_t(cache.lengths), as_t(new),
+                           max(c + n for c, n in zip(cache.lengths, new)))
+        self.reserve(cache, b, max(cache.lengths) + ctx_in.shape[1])
         logits = self.draft_block(target, bonus, ctx_in, rows, cache)
         cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
         return logits
+
+    def begin(self, target, prompt_hidden_states, capacity: int, cuda_graph: bool = False):
+        """The drafter's side of generate_batch (ddtree.generate.Drafter): a DFlashDraftState
+        for the requests whose prompt hidden states (one tuple per request) are given, with a
+        context cache of `capacity` rows."""
+        return DFlashDraftState(self, target, prompt_hidden_states, capacity, cuda_graph)
 
     def reserve(self, cache: DraftCache, batch: int, rows: int) -> None:
         """Grows the context cache to at least `rows` rows (see DraftCache.reserve)."""
@@ -323,12 +318,12 @@ class DFlashDrafter(nn.Module):
         cache.reserve(rows, lambda cap: self.fc.weight.new_zeros(batch, attn.num_kv_heads, cap,
                                                                  attn.head_dim))
 
-    def draft_block(self, target, bonus: torch.Tensor, ctx_in: torch.Tensor, rows,
+    def draft_block(self, target, bonus: torch.Tensor, ctx_in: torch.Tensor, rows: ContextRows,
                     cache: DraftCache) -> torch.Tensor:
-        """The device part of propose (no host reads): ctx_in [B, C, n*H] padded new feature rows,
-        rows.cached_t / rows.new_t [B] context lengths and valid new rows (device tensors), the
-        cache already large enough. Writes the new rows into the cache; returns the logits. With a
-        fused cache, rows may be static buffers (the step is then graph-capturable)."""
+        """The device part of a drafter step (no host reads, fixed shapes): ctx_in [B, C, n*H]
+        padded new feature rows, rows.cached_t / rows.new_t [B] context lengths and valid new
+        rows, the cache at least max(cached) + C rows long. Writes the new rows into the cache;
+        returns the logits [B, block_size - 1, V]. Graph-capturable on static buffers."""
         b, device = bonus.shape[0], bonus.device
         ctx = self.hidden_norm(self.fc(ctx_in.to(self.fc.weight.dtype)))
         c = ctx.shape[1]
@@ -344,3 +339,56 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], rows, cache.fused)
         hidden = self.norm(x[:, 1:])
         return target.get_output_embeddings()(hidden.to(target.get_output_embeddings().weight.dtype))
+
+
+class DFlashDraftState:
+    """The DFlash drafter across the rounds of one generation, on fixed shapes: a context cache of
+    `capacity` rows, the accepted rows' target features [B, block_size, n*H] and their count per
+    request as device buffers (gather_accepted: no host lists). The first step brings the
+    prompts' features (padded to the longest prompt) and runs eagerly; every later step has the
+    same shapes and, with cuda_graph, is captured once and replayed."""
+
+    def __init__(self, drafter: DFlashDrafter, target, prompt_hidden_states, capacity: int,
+                 cuda_graph: bool):
+        self.drafter, self.target, self.capacity = drafter, target, capacity
+        feats = [drafter.target_features(h)[0] for h in prompt_hidden_states]  # [P_b, n*H]
+        batch, device = len(feats), drafter.fc.weight.device
+        self.cache = drafter.new_cache(batch, capacity)
+        self.prompt = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+        self.rows = ContextRows(torch.zeros(batch, dtype=torch.long, device=device),
+                                torch.tensor([f.shape[0] for f in feats], device=device), capacity)
+        self.feats = self.prompt.new_zeros(batch, drafter.block_size, self.prompt.shape[-1])
+        self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
+        self.use_graph = cuda_graph
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits = None
+
+    def _step(self):
+        return self.drafter.draft_block(self.target, self.bonus, self.feats, self.rows, self.cache)
+
+    def step(self, bonus: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, block_size - 1, V] of the blocks starting with `bonus` [B]."""
+        self.bonus.copy_(bonus)
+        if self.prompt is not None:
+            logits = self.drafter.draft_block(self.target, self.bonus, self.prompt, self.rows,
+                                              self.cache)
+            self.prompt = None
+        elif not self.use_graph:
+            logits = self._step()
+        else:
+            if self.graph is None:  # warm-up and capture write the rows the replay writes
+                from ..verify import capture_graph
+
+                self.graph, self.logits = capture_graph(self._step)
+            self.graph.replay()
+            logits = self.logits
+        self.rows.cached_t += self.rows.new_t
+        return logits
+
+    def commit(self, hidden_states, verdict) -> None:
+        """The accepted rows' target features become the next step's new context rows."""
+        from ..ops import gather_accepted
+
+        features = self.drafter.target_features(hidden_states)
+        self.feats.copy_(gather_accepted(features, verdict.accepted, verdict.accept_len))
+        self.rows.new_t.copy_(verdict.accept_len)

@@ -1,0 +1,151 @@
+"""The target's side of a round, on fixed shapes for every target and mode: transformers'
+StaticCache, a TreeBatch of static buffers handed to the layers through the forward's
+`ddtree_tree` keyword (ddtree.hf), and on CUDA with cuda_graph=True the step captured once as a
+CUDA graph and replayed every round.
+
+Shapes are fixed for a whole generation: batch B, tree rows N, cache rows max_cache_len. Per round
+only buffer contents change (tree tokens, positions, packed visibility rows, parents, node counts,
+each request's valid prefix, the tree's start row = the longest valid prefix), all device tensors:
+a round reads nothing back to the host. Attention: the "ddtree" implementation runs the
+tree_attention op; any other implementation gets dense_tree_mask over the static cache. Hybrid
+targets (Gated DeltaNet layers): their fixed-size conv / recurrent states are the cache's own, the
+modules run over the tree (ddtree.hybrid) and `commit` moves them along the accepted path.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import hf, hybrid, ops
+
+
+def capture_graph(step, prepare=lambda: None):
+    """Runs prepare(); step() twice on a side stream (lazy initialisations, library handles,
+    allocator pools), then captures step() into a CUDA graph. Returns (graph, step's outputs,
+    which every replay overwrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            prepare()
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    prepare()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
+def _same_layout(tensors):
+    """The tensors grouped by (shape, strides, dtype), order kept: commit_kv_layers_ batches."""
+    groups = {}
+    for t in tensors:
+        groups.setdefault((tuple(t.shape), t.stride(), t.dtype), []).append(t)
+    return list(groups.values())
+
+
+class TargetVerifier:
+    """Owns the target's static cache and the TreeBatch buffers of one generation.
+    prefill(prompts) once, then per round step(tree, vis, valid) and commit(verdict)."""
+
+    def __init__(self, target, batch: int, n: int, max_depth: int, max_cache_len: int,
+                 want_hidden: bool, cuda_graph: bool, is_hybrid: bool):
+        device = target.get_input_embeddings().weight.device
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, got {device}")
+        self.target, self.n, self.want_hidden = target, n, want_hidden
+        self.max_cache_len, self.is_hybrid, self.use_graph = max_cache_len, is_hybrid, cuda_graph
+        self.dtype = target.get_input_embeddings().weight.dtype
+        self.packed_mask = hf.uses_tree_attention(target)
+        long = dict(dtype=torch.long, device=device)
+        self.tree = hf.TreeBatch(
+            tokens=torch.zeros(batch, n, **long), positions=torch.zeros(batch, n, **long),
+            parents=torch.full((batch, n), -1, **long), num_nodes=torch.ones(batch, **long),
+            packed=torch.zeros(batch, n, (n + 31) // 32, dtype=torch.int32, device=device),
+            prefix=torch.zeros(batch, **long), start=torch.zeros(batch, **long),
+            max_depth=max_depth)
+        self.cache = None
+        self._offsets: List[torch.Tensor] = []
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.outputs = None
+
+    def prefill(self, prompts):
+        """Runs each prompt (1-D token tensors) through the target; fills the static cache.
+        Returns (the last position's logits [B, 1, V], the hidden states of each prompt)."""
+        from transformers import DynamicCache, StaticCache
+
+        caches, last, hidden = [], [], []
+        for prompt in prompts:
+            cache = DynamicCache(config=self.target.config)
+            out = self.target(input_ids=prompt[None], past_key_values=cache, use_cache=True,
+                              output_hidden_states=self.want_hidden)
+            caches.append(cache)
+            last.append(out.logits[:, -1:])
+            hidden.append(out.hidden_states)
+        self.cache = StaticCache(config=self.target.config, max_cache_len=self.max_cache_len)
+        for i, layer in enumerate(self.cache.layers):
+            parts = [c.layers[i] for c in caches]
+            if getattr(parts[0], "keys", None) is None:  # linear attention: fixed-size states
+                merged = parts[0]
+                merged.conv_states[0] = torch.cat([p.conv_states[0] for p in parts])
+                merged.recurrent_states[0] = torch.cat([p.recurrent_states[0] for p in parts])
+                self.cache.layers[i] = merged
+                continue
+            longest = max(p.keys.shape[2] for p in parts)
+            pad = [(0, 0, 0, longest - p.keys.shape[2]) for p in parts]
+            keys = torch.cat([F.pad(p.keys, d) for p, d in zip(parts, pad)])
+            values = torch.cat([F.pad(p.values, d) for p, d in zip(parts, pad)])
+            layer.lazy_initialization(keys, values)
+            layer.keys[:, :, :longest] = keys
+            layer.values[:, :, :longest] = values
+        self._offsets = [layer.cumulative_length for layer in self.cache.layers
+                         if hasattr(layer, "cumulative_length")]
+        return torch.cat(last), hidden
+
+    def _forward(self):
+        t = self.tree
+        if self._offsets:  # the attention layers write the tree rows at `start`
+            torch._foreach_copy_(self._offsets, [t.start[0]] * len(self._offsets))
+        mask = t.packed[:, None] if self.packed_mask else \
+            hf.dense_tree_mask(t, self.max_cache_len, self.dtype)
+        if self.is_hybrid:
+            mask = {"full_attention": mask, "linear_attention": None}
+        out = self.target(input_ids=t.tokens, position_ids=t.positions, attention_mask=mask,
+                          past_key_values=self.cache, use_cache=True,
+                          output_hidden_states=self.want_hidden, ddtree_tree=t)
+        return out.logits, (tuple(out.hidden_states) if self.want_hidden else None)
+
+    def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor):
+        """Verifies `tree` (its rows go to cache rows [max(valid), max(valid) + N)); returns
+        (logits [B, N, V], hidden states or None), overwritten by the next round's replay."""
+        t = self.tree
+        for buffer, value in ((t.tokens, tree.node_tokens), (t.positions, vis.positions),
+                              (t.packed, vis.packed), (t.parents, tree.parents),
+                              (t.num_nodes, tree.num_nodes), (t.prefix, valid)):
+            buffer.copy_(value)
+        t.start.copy_(valid.max().expand_as(t.start))
+        if not self.use_graph:
+            return self._forward()
+        if self.graph is None:
+            self.graph, self.outputs = capture_graph(self._forward)
+        self.graph.replay()
+        return self.outputs
+
+    def commit(self, verdict: ops.GreedyVerdict) -> None:
+        """Accepted rows move from the tree block to each request's valid prefix; GDN states
+        move along the accepted path. The caller then adds accept_len to valid."""
+        t = self.tree
+        attention = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+        for group in _same_layout([x for layer in attention for x in (layer.keys, layer.values)]):
+            ops.commit_kv_layers_(group, t.start, verdict.accepted, verdict.accept_len, "BHSD",
+                                  t.prefix)
+        if self.is_hybrid:
+            hybrid.commit(self.cache, t, verdict)
+
+    def hybrid_layers(self):
+        """Context for the generation: GDN modules accept the tree keyword (ddtree.hybrid)."""
+        return hybrid.tree_layers(self.target) if self.is_hybrid else contextlib.nullcontext()
