@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("built_with_torch", [] { return std::string(DDTREE_TORCH_VERSION); });
   m.def("set_validation", &ddtree::set_validation, "Turn value checks of op inputs on or off");
   m.def("validation_enabled", &ddtree::validation_enabled);
+  m.def("mma_attention_supports", &ddtree::mma_attention_supports,
+        "Whether the CUDA attention kernels take this dtype and head_dim");
   m.def("emulator_context_switches", &ddtree::simt::context_switches);
   m.def("emulator_grids_run", &ddtree::simt::grids_run);
   m.def("set_emulator_max_dynamic_smem",

@@ -39,22 +39,33 @@ DDTREE_HOST_DEVICE void finish_walk(const TreeWalkParams& w, int64_t b, int64_t 
   w.bonus[b] = bonus;
 }
 
+// The walk of request b (greedy and sampling verify): token_at(node) is the target's token at
+// `node` (its argmax, or a draw); the walk follows the child carrying it while accepted slots
+// remain, and the last token_at is the bonus. `writes`: this thread stores the outputs (every
+// thread of the sampling kernel's block walks; the first one writes).
+template <class TokenAt>
+DDTREE_HOST_DEVICE void walk_tree(const TreeWalkParams& w, int64_t b, bool writes,
+                                  TokenAt&& token_at) {
+  int64_t cur = 0, len = 1, y = token_at(cur);
+  while (len < w.width) {
+    const int64_t child = find_child(w, b, cur, y);
+    if (child < 0) break;
+    if (writes) w.accepted[b * w.width + len] = child;
+    ++len;
+    cur = child;
+    y = token_at(cur);
+  }
+  if (writes) finish_walk(w, b, len, y);
+}
+
 struct VerifyGreedyParams {
   TreeWalkParams walk;
   const int64_t* target_tokens = nullptr;  // [B, N] target's token (argmax) at every node
 };
 
 DDTREE_HOST_DEVICE void verify_greedy_request(const VerifyGreedyParams& p, int64_t b) {
-  const TreeWalkParams& w = p.walk;
-  const int64_t* target = p.target_tokens + b * w.n;
-  int64_t cur = 0, len = 1;
-  while (len < w.width) {
-    const int64_t child = find_child(w, b, cur, target[cur]);
-    if (child < 0) break;
-    w.accepted[b * w.width + len++] = child;
-    cur = child;
-  }
-  finish_walk(w, b, len, target[cur]);
+  const int64_t* target = p.target_tokens + b * p.walk.n;
+  walk_tree(p.walk, b, true, [&](int64_t node) { return target[node]; });
 }
 
 }  // namespace ddtree

@@ -77,18 +77,8 @@ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t node, Scratc
 
 void verify_sample_requests(const VerifySampleParams& p, int64_t b_begin, int64_t b_end) {
   Scratch scratch;
-  const TreeWalkParams& w = p.walk;
-  for (int64_t b = b_begin; b < b_end; ++b) {
-    int64_t cur = 0, len = 1, y = 0;
-    for (;;) {
-      y = sample_node(p, b, cur, scratch);
-      const int64_t child = find_child(w, b, cur, y);
-      if (child < 0 || len >= w.width) break;
-      w.accepted[b * w.width + len++] = child;
-      cur = child;
-    }
-    finish_walk(w, b, len, y);
-  }
+  for (int64_t b = b_begin; b < b_end; ++b)
+    walk_tree(p.walk, b, true, [&](int64_t node) { return sample_node(p, b, node, scratch); });
 }
 
 }  // namespace ddtree::cpu

@@ -175,16 +175,7 @@ __global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const Ver
   __shared__ SampleShared sh;
   const TreeWalkParams& w = p.walk;
   for (int64_t b = blockIdx.x; b < w.batch; b += gridDim.x) {
-    int64_t cur = 0, len = 1, y = 0;
-    for (;;) {
-      y = sample_node(p, b, cur, sh);
-      const int64_t child = find_child(w, b, cur, y);
-      if (child < 0 || len >= w.width) break;
-      if (threadIdx.x == 0) w.accepted[b * w.width + len] = child;
-      ++len;
-      cur = child;
-    }
-    if (threadIdx.x == 0) finish_walk(w, b, len, y);
+    walk_tree(w, b, threadIdx.x == 0, [&](int64_t node) { return sample_node(p, b, node, sh); });
     __syncthreads();
   }
 }

@@ -86,7 +86,13 @@ int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
   return deepest;
 }
 
+bool mma_attention_supports(at::ScalarType dtype, int64_t head_dim) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+         (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
 void check_mma_attention_args(const char* op, at::ScalarType dtype, int64_t head_dim) {
+  if (mma_attention_supports(dtype, head_dim)) return;
   TORCH_CHECK(dtype != at::kFloat, op, ": the CUDA kernel takes bfloat16 or float16 (mma.sync); ",
               "got float32");
   TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, op, ": head_dim D = ", head_dim,

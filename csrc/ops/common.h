@@ -75,7 +75,9 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
 int64_t validate_tree_parents(const char* op, const at::Tensor& parents,
                               const at::Tensor& num_nodes);
 
-// The mma.sync attention kernels take bf16 / fp16 and head_dim 64, 128 or 256.
+// The mma.sync attention kernels take bf16 / fp16 and head_dim 64, 128 or 256 (the one place
+// that says so; Python's ddtree.ops.attention_op_supports asks it).
+bool mma_attention_supports(at::ScalarType dtype, int64_t head_dim);
 void check_mma_attention_args(const char* op, at::ScalarType dtype, int64_t head_dim);
 // The softmax scale: the given one, else 1 / sqrt(head_dim).
 float attention_scale(const c10::optional<double>& scale, int64_t head_dim);

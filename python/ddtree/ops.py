@@ -241,10 +241,9 @@ def attention_op_supports(device, dtype: torch.dtype, head_dim: int) -> bool:
     fp16 with head_dim 64, 128 or 256."""
     if torch.device(device).type == "cpu":
         return True
-    from . import has_cuda_kernels
+    from . import _C, has_cuda_kernels
 
-    return (has_cuda_kernels() and dtype in (torch.bfloat16, torch.float16)
-            and head_dim in (64, 128, 256))
+    return has_cuda_kernels() and _C.mma_attention_supports(dtype, int(head_dim))
 
 
 def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None,
