@@ -75,7 +75,7 @@ int main() {
       ChainTreeParams c;
       c.logits = dx;
       c.batch = batch;
-      c.depth = 15;
+      c.levels = 15;
       c.vocab = vocab;
       c.parts = std::max<int64_t>(1, std::min<int64_t>((2 * prop.multiProcessorCount + rows - 1) / rows,
                                                       vocab / 4096));

@@ -210,6 +210,8 @@ inline TreeGdnParams gdn_params(RecurrentInputs& r) {
   p.hv = r.hv;
   p.dk = r.dk;
   p.dv = r.dv;
+  p.qk_token_stride = r.hk * r.dk;  // contiguous [1, N, H, D]
+  p.v_token_stride = r.hv * r.dv;
   p.max_depth = r.depth;
   p.scratch = r.scratch.data();
   p.out = r.out.data();
