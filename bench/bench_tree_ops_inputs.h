@@ -85,7 +85,7 @@ inline TreeWalkParams walk_params(const int64_t* tokens, const int64_t* first_ch
   w.num_nodes = num_nodes;
   w.batch = batch;
   w.n = n;
-  w.width = width;
+  w.accepted_stride = width;
   w.accepted = accepted;
   w.accept_len = accept_len;
   w.bonus = bonus;
@@ -153,7 +153,7 @@ inline CommitKvParams commit_params(int64_t B, int64_t H, int64_t S, int64_t D, 
   p.stride_b = H * S * D;
   p.stride_h = S * D;
   p.stride_s = D;
-  p.width = A;
+  p.accepted_stride = A;
   return p;
 }
 

@@ -52,3 +52,15 @@ KERNEL_BACKENDS = [
 
 def kernel_device(backend: str) -> str:
     return "cpu" if backend == "emulated" else "cuda"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many trees the fuzz tests checked (tests/test_fuzz.py), per op and backend."""
+    import sys
+
+    fuzz = sys.modules.get("test_fuzz")
+    if fuzz is not None and fuzz.TREES:
+        total = sum(fuzz.TREES.values())
+        terminalreporter.write_line(
+            f"fuzzed trees: {total} (" + ", ".join(f"{k} {v}" for k, v in sorted(fuzz.TREES.items()))
+            + ")")

@@ -97,8 +97,9 @@ DDTREE_HOST_DEVICE bool is_candidate_logprob(float x) {
 }
 
 // Float as an unsigned key with the same order; NaN maps to 0, below -inf (0x007fffff).
+// -0 and +0 share the key of +0 (equal values: ties go to the lower id, as with float compares).
 DDTREE_HOST_DEVICE uint32_t float_order_key(float x) {
-  const uint32_t u = float_bits(x);
+  const uint32_t u = float_bits(x) == 0x80000000u ? 0u : float_bits(x);
   if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return 0u;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }

@@ -21,7 +21,7 @@ struct CommitKvParams {
   const int64_t* dst_len = nullptr;     // [B] where the path goes (<= past_len); null: past_len
   const int64_t* accepted = nullptr;    // [B, A] tree node indices, root first
   const int64_t* accept_len = nullptr;  // [B]
-  int64_t width = 0;                    // A
+  int64_t accepted_stride = 0;          // A
 };
 
 DDTREE_HOST_DEVICE int64_t kv_destination(const CommitKvParams& p, int64_t b) {

@@ -52,13 +52,16 @@ struct LseAccumulator {
   float m, s;
 };
 
+// exp(x - m) for x <= m, 1 when x == m (also for m = +inf, where x - m is NaN).
+DDTREE_HOST_DEVICE float lse_scale(float x, float m) { return x == m ? 1.f : expf(x - m); }
+
 DDTREE_HOST_DEVICE void lse_add(LseAccumulator& a, float x) {
   if (x == -__builtin_inff()) return;
   if (x > a.m) {
     a.s = a.s * expf(a.m - x) + 1.f;
     a.m = x;
   } else {
-    a.s += expf(x - a.m);
+    a.s += lse_scale(x, a.m);
   }
 }
 
@@ -67,7 +70,7 @@ DDTREE_HOST_DEVICE LseAccumulator lse_merge(LseAccumulator a, LseAccumulator b) 
   if (b.m == -__builtin_inff()) return LseAccumulator{a.m, a.s + b.s};
   if (a.m == -__builtin_inff()) return LseAccumulator{b.m, a.s + b.s};
   const float m = a.m > b.m ? a.m : b.m;
-  return LseAccumulator{m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+  return LseAccumulator{m, a.s * lse_scale(a.m, m) + b.s * lse_scale(b.m, m)};
 }
 
 DDTREE_HOST_DEVICE float lse_value(const LseAccumulator& a) { return a.m + logf(a.s); }

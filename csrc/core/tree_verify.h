@@ -13,7 +13,7 @@ struct TreeWalkParams {
   const int64_t* next_sibling = nullptr;  // [B, N]
   const int64_t* num_nodes = nullptr;     // [B]
   int64_t batch = 0, n = 0;
-  int64_t width = 0;                      // A = max_depth + 1 accepted slots
+  int64_t accepted_stride = 0;            // A = max_depth + 1 accepted slots
   int64_t* accepted = nullptr;            // [B, A] node indices, -1 padded
   int64_t* accept_len = nullptr;          // [B] >= 1 (root counted)
   int64_t* bonus = nullptr;               // [B] token emitted after the accepted path
@@ -32,9 +32,9 @@ DDTREE_HOST_DEVICE int64_t find_child(const TreeWalkParams& w, int64_t b, int64_
 
 // Pads the accepted row after `len` entries and records the walk's length and bonus token.
 DDTREE_HOST_DEVICE void finish_walk(const TreeWalkParams& w, int64_t b, int64_t len, int64_t bonus) {
-  int64_t* accepted = w.accepted + b * w.width;
+  int64_t* accepted = w.accepted + b * w.accepted_stride;
   accepted[0] = 0;
-  for (int64_t j = len; j < w.width; ++j) accepted[j] = -1;
+  for (int64_t j = len; j < w.accepted_stride; ++j) accepted[j] = -1;
   w.accept_len[b] = len;
   w.bonus[b] = bonus;
 }
@@ -47,10 +47,10 @@ template <class TokenAt>
 DDTREE_HOST_DEVICE void walk_tree(const TreeWalkParams& w, int64_t b, bool writes,
                                   TokenAt&& token_at) {
   int64_t cur = 0, len = 1, y = token_at(cur);
-  while (len < w.width) {
+  while (len < w.accepted_stride) {
     const int64_t child = find_child(w, b, cur, y);
     if (child < 0) break;
-    if (writes) w.accepted[b * w.width + len] = child;
+    if (writes) w.accepted[b * w.accepted_stride + len] = child;
     ++len;
     cur = child;
     y = token_at(cur);

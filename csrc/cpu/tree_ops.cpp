@@ -27,7 +27,7 @@ void commit_kv_slices(const CommitKvParams& p, int64_t begin, int64_t end) {
     char* cache = static_cast<char*>(p.caches[slice / (p.batch * p.heads)]);
     const int64_t b = slice / p.heads % p.batch, h = slice % p.heads;
     const int64_t past = p.past_len[b], dst = kv_destination(p, b);
-    const int64_t* path = p.accepted + b * p.width;
+    const int64_t* path = p.accepted + b * p.accepted_stride;
     for (int64_t j = 0; j < p.accept_len[b]; ++j) {
       if (past + path[j] == dst + j) continue;
       std::memcpy(cache + kv_row_offset(p, b, h, dst + j) * p.elem_bytes,

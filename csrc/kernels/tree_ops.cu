@@ -43,7 +43,7 @@ __global__ void commit_kv_kernel(const CommitKvParams p) {
   const int64_t h = blockIdx.x, b = blockIdx.y;
   elem_t* cache = static_cast<elem_t*>(p.caches[blockIdx.z]);
   const int64_t past = p.past_len[b], dst = kv_destination(p, b), len = p.accept_len[b];
-  const int64_t* path = p.accepted + b * p.width;
+  const int64_t* path = p.accepted + b * p.accepted_stride;
   for (int64_t j = 0; j < len; ++j) {
     const int64_t src = past + path[j];
     if (src != dst + j) {

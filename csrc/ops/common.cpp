@@ -154,7 +154,7 @@ TreeWalkParams TreeWalkTensors::params() const {
   w.num_nodes = num_nodes.data_ptr<int64_t>();
   w.batch = node_tokens.size(0);
   w.n = node_tokens.size(1);
-  w.width = accepted.size(1);
+  w.accepted_stride = accepted.size(1);
   w.accepted = accepted.data_ptr<int64_t>();
   w.accept_len = accept_len.data_ptr<int64_t>();
   w.bonus = bonus.data_ptr<int64_t>();

@@ -241,7 +241,7 @@ void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len
   p.accepted = path.data_ptr<int64_t>();
   p.accept_len = len.data_ptr<int64_t>();
   p.dst_len = dst.defined() ? dst.data_ptr<int64_t>() : nullptr;
-  p.width = path.size(1);
+  p.accepted_stride = path.size(1);
   for (size_t first = 0; first < caches.size(); first += kMaxCommitCaches) {
     p.num_caches = static_cast<int>(std::min<size_t>(kMaxCommitCaches, caches.size() - first));
     for (int i = 0; i < p.num_caches; ++i) p.caches[i] = caches[first + i].data_ptr();

@@ -1,0 +1,254 @@
+"""Fuzzing the tree ops with hypothesis: random batch sizes (0 included), tree sizes, parent
+dtypes, strided views, multi-root forests, corrupted trees (parents out of order or out of range,
+padding rows with parents, node counts outside [0, N]), random starts / prefixes / paths. Every
+call either equals the reference written from SPEC.md (python/ddtree/reference.py) or raises a
+RuntimeError naming the op and the offending argument — never a crash, a hang or a silently wrong
+answer. CPU and the emulated CUDA kernels (and the GPU when present).
+
+Profiles: the default is sized for CI; DDTREE_FUZZ=long runs 10x the examples (by hand). The
+number of trees each test checked is printed in pytest's summary (conftest.py)."""
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import ddtree
+from ddtree import reference
+from conftest import KERNEL_BACKENDS, kernel_device
+
+SCALE = 10 if os.environ.get("DDTREE_FUZZ") == "long" else 1
+BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
+TREES = {}  # test name -> trees checked (reported by conftest's terminal summary)
+TREE_ERROR = re.compile(r"(parents\[\d+, \d+\] = -?\d+ (must be smaller|is invalid|is a padding "
+                        r"row)|num_nodes\[\d+\] = -?\d+ must be in \[0, N\])")
+
+
+def fuzz_settings(examples):
+    return settings(max_examples=examples * SCALE, deadline=None, derandomize=SCALE == 1,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def count_trees(name, batch):
+    TREES[name] = TREES.get(name, 0) + batch
+
+
+def ops_for(backend):
+    return torch.ops.ddtree if backend == "cpu" else torch.ops.ddtree_emu
+
+
+def device_for(backend):
+    return "cpu" if backend == "cpu" else kernel_device(backend)
+
+
+@st.composite
+def forests(draw, max_batch=6, max_n=70, corrupt=True):
+    """(parents [B, N] int32/int64, possibly a strided view; num_nodes [B]; valid?)."""
+    batch = draw(st.integers(0, max_batch))
+    n = draw(st.integers(1, max_n))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, n + 1, (batch,), generator=g)
+    parents = torch.full((batch, n), -1, dtype=torch.int64)
+    roots = draw(st.sampled_from([0.0, 0.0, 0.1]))  # share of extra roots (forests)
+    for b in range(batch):
+        for i in range(1, int(counts[b])):
+            if torch.rand(1, generator=g).item() >= roots:
+                parents[b, i] = torch.randint(0, i, (1,), generator=g)
+    valid = True
+    if corrupt and batch > 0 and draw(st.integers(0, 3)) == 0:
+        valid = False
+        b = draw(st.integers(0, batch - 1))
+        kind = draw(st.sampled_from(["order", "range", "padding", "count"]))
+        if kind == "count":
+            counts[b] = draw(st.sampled_from([-1, n + 1, n + 7]))
+        else:
+            i = draw(st.integers(0, n - 1))
+            if kind == "padding" and i >= counts[b]:
+                parents[b, i] = draw(st.integers(0, max(0, i - 1))) if i > 0 else 0
+            elif kind == "range":
+                parents[b, i] = draw(st.integers(-2**31, -2))
+            else:
+                parents[b, i] = draw(st.integers(i, i + 5))
+            if kind == "padding" and i < counts[b]:
+                valid = True  # it landed on a real row: a legal parent was drawn over
+                parents[b, i] = -1
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    parents = parents.to(dtype)
+    if draw(st.booleans()):  # a strided view of a wider buffer
+        wide = torch.full((batch, 2 * n), 7, dtype=dtype)
+        wide[:, ::2] = parents
+        parents = wide[:, ::2]
+    return parents, counts, valid
+
+
+def expect_tree_error(fn):
+    with pytest.raises(RuntimeError) as err:
+        fn()
+    assert TREE_ERROR.search(str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(400)
+@given(forests(), st.integers(0, 5000))
+def test_fuzz_tree_visibility(backend, case, start):
+    parents, counts, valid = case
+    dev = device_for(backend)
+    starts = torch.full((parents.shape[0],), start, dtype=torch.int64)
+    call = lambda: ops_for(backend).tree_visibility(parents.to(dev), counts.to(dev),  # noqa: E731
+                                                    starts.to(dev))
+    if not valid:
+        return expect_tree_error(call)
+    visible, packed, positions = call()
+    want = reference.tree_visibility(parents, counts, starts)
+    for got, exp in zip((visible, packed, positions), want):
+        assert torch.equal(got.cpu(), exp)
+    count_trees(f"tree_visibility[{backend}]", parents.shape[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(200)
+@given(forests(max_n=40), st.integers(0, 40), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.booleans())
+def test_fuzz_tree_attention_mask(backend, case, past, dtype, with_prefix):
+    parents, counts, valid = case
+    dev = device_for(backend)
+    prefix = torch.randint(0, past + 1, (parents.shape[0],)) if with_prefix else None
+    call = lambda: ops_for(backend).tree_attention_mask(  # noqa: E731
+        parents.to(dev), counts.to(dev), past, dtype, None if prefix is None else prefix.to(dev))
+    if not valid:
+        return expect_tree_error(call)
+    assert torch.equal(call().cpu(), reference.tree_attention_mask(parents, counts, past, dtype,
+                                                                   prefix))
+    count_trees(f"tree_attention_mask[{backend}]", parents.shape[0])
+
+
+def tree_links(parents, counts):
+    """first_child / next_sibling (children in index order) of a valid forest."""
+    batch, n = parents.shape
+    first = torch.full((batch, n), -1, dtype=torch.int64)
+    sibling = torch.full((batch, n), -1, dtype=torch.int64)
+    for b in range(batch):
+        last = {}
+        for i in range(1, int(counts[b])):
+            p = int(parents[b, i])
+            if p < 0:
+                continue
+            if p in last:
+                sibling[b, last[p]] = i
+            else:
+                first[b, p] = i
+            last[p] = i
+    return first, sibling
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(400)
+@given(forests(corrupt=False), st.integers(1, 6), st.integers(0, 12), st.integers(0, 2**31 - 1))
+def test_fuzz_verify_greedy(backend, case, vocab, max_depth, seed):
+    """Random trees over a small vocabulary (so target tokens often match a child) and a max_depth
+    that may cut paths short."""
+    parents, counts, _ = case
+    g = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    counts = counts.clamp(min=1)
+    if batch:
+        parents = parents.clone()
+        for b in range(batch):
+            parents[b, int(counts[b]):] = -1
+            parents[b, 0] = -1
+    tokens = torch.randint(0, vocab, (batch, n), generator=g)
+    target = torch.randint(0, vocab, (batch, n), generator=g)
+    first, sibling = tree_links(parents, counts)
+    dev = device_for(backend)
+    got = ops_for(backend).verify_greedy(*(t.to(dev) for t in (tokens, first, sibling, counts,
+                                                                 target)), max_depth)
+    want = reference.verify_greedy(tokens, parents, counts, target, max_depth)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+    count_trees(f"verify_greedy[{backend}]", batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(300)
+@given(st.integers(0, 5), st.integers(1, 24), st.integers(1, 9), st.integers(0, 2**31 - 1),
+       st.sampled_from(["BHSD", "BSHD"]), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.sampled_from(["ok", "accept_len", "accepted", "past_len"]))
+def test_fuzz_commit_kv(backend, batch, n, a, seed, layout, dtype, corrupt):
+    """Random accepted paths (root first, increasing rows of the tree block), destination rows
+    below the tree, caches
+    just long enough; corrupted lengths / rows / offsets must be reported by name."""
+    g = torch.Generator().manual_seed(seed)
+    heads, dim = 2, 4
+    past = torch.randint(0, 8, (batch,), generator=g)
+    seq = int(past.max()) + n if batch else n
+    shape = (batch, heads, seq, dim) if layout == "BHSD" else (batch, seq, heads, dim)
+    cache = torch.randn(shape, generator=g).to(dtype)
+    lengths = torch.randint(0, min(a, n) + 1, (batch,), generator=g)
+    accepted = torch.full((batch, a), -1, dtype=torch.int64)
+    for b in range(batch):  # a root-to-node path: root 0 first, indices increasing
+        rest = (torch.randperm(n - 1, generator=g)[: max(0, int(lengths[b]) - 1)] + 1).sort().values
+        accepted[b, : lengths[b]] = torch.cat([torch.zeros(1, dtype=torch.int64), rest])[: int(lengths[b])]
+    dst = (past - torch.randint(0, 3, (batch,), generator=g)).clamp(min=0)
+    if corrupt != "ok" and batch:
+        if corrupt == "accept_len":
+            lengths[0] = a + 1
+        elif corrupt == "accepted":
+            lengths[0] = 1
+            accepted[0, 0] = seq  # past the cache
+        else:  # the tree block starts past the cache: its root row is not there
+            lengths[0] = max(1, int(lengths[0]))
+            accepted[0, 0] = 0
+            past[0] = seq
+    dev = device_for(backend)
+    out = cache.clone().to(dev)
+    call = lambda: ops_for(backend).commit_kv_(out, past.to(dev), accepted.to(dev),  # noqa: E731
+                                               lengths.to(dev), layout, dst.to(dev))
+    if corrupt != "ok" and batch:
+        with pytest.raises(RuntimeError, match=corrupt):
+            call()
+        return
+    call()
+    want = reference.commit_kv(cache, past, accepted, lengths, layout, dst)
+    assert torch.equal(out.cpu(), want)
+    count_trees(f"commit_kv_[{backend}]", batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(300)
+@given(st.integers(0, 4), st.integers(0, 6), st.integers(1, 40), st.integers(0, 48),
+       st.integers(0, 2**31 - 1), st.sampled_from(["normal", "ties", "nan", "inf", "neg_inf"]),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_fuzz_tree_topk_and_chain_tree(backend, batch, levels, vocab, k, seed, style, dtype):
+    """k > V and k = 0, vocabulary 1, rows with NaN / +inf / all -inf, ties; tree_topk equals the
+    reference (ids exactly), chain_tree equals build_tree over the top-1."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, levels, vocab, generator=g) * 3
+    if style == "ties":
+        logits = logits.round()
+    elif batch and levels:
+        row = logits[torch.randint(0, batch, (1,), generator=g), torch.randint(0, levels, (1,), generator=g)]
+        row[..., torch.randint(0, vocab, (1,), generator=g)] = {"nan": float("nan"), "inf": float("inf"),
+                                                               "neg_inf": float("-inf"),
+                                                               "normal": 0.0}[style]
+        if style == "neg_inf":
+            row.fill_(float("-inf"))
+        logits[0, 0] = row
+    logits = logits.to(dtype)
+    dev = device_for(backend)
+    op = ops_for(backend)
+    if k > vocab:
+        with pytest.raises(RuntimeError, match=r"tree_topk: k = \d+ exceeds the vocabulary size"):
+            op.tree_topk(logits.to(dev), k)
+    else:
+        values, ids = op.tree_topk(logits.to(dev), k)
+        want_values, want_ids = reference.tree_topk(logits, k)
+        assert torch.equal(ids.cpu(), want_ids)
+        torch.testing.assert_close(values.cpu(), want_values, rtol=1e-5, atol=1e-5, equal_nan=True)
+    roots = torch.randint(0, vocab, (batch,), generator=g)
+    chain = op.chain_tree(logits.to(dev), roots.to(dev))
+    want = reference.chain_tree(logits, roots)
+    for a, b in zip(chain, want):
+        assert torch.equal(a.cpu(), b)
+    count_trees(f"chain_tree[{backend}]", batch)
