@@ -137,6 +137,20 @@ def test_streaming_and_statistics():
     assert sum(got.acceptance_lengths) + 1 >= len(got.tokens)
     assert set(got.stage_seconds) == {"draft", "tree", "verify", "commit"}
     assert got.tokens_per_second > 0
+    assert got.warmup_rounds == 1 and 0 < got.warmup_seconds < got.seconds
+    assert sum(got.stage_seconds.values()) <= got.seconds
+
+
+def test_tokens_per_second_excludes_the_warm_up():
+    """Prefill + warm-up rounds (the drafter's prompt pass, graph capture) are not in tokens/s:
+    10 tokens, the first token and the first round's 3 in 0.4 s, the 6 after in 0.6 s -> 10/s;
+    without a round after the warm-up, the whole call counts."""
+    from ddtree.generate import GenerationResult
+
+    r = GenerationResult(list(range(10)), [3, 3, 3], 1.0, {}, warmup_seconds=0.4, warmup_rounds=1)
+    assert r.tokens_per_second == pytest.approx(10.0)
+    r = GenerationResult(list(range(4)), [3], 2.0, {}, warmup_seconds=2.0, warmup_rounds=1)
+    assert r.tokens_per_second == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("tree_attention", [False, True], ids=["sdpa", "tree-attention"])

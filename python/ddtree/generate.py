@@ -52,12 +52,28 @@ class Drafter(Protocol):
         to `capacity` rows."""
 
 
+class Verifier(Protocol):
+    """The target's side of a round (ddtree.verify.TargetVerifier)."""
+
+    def prefill(self, prompts):
+        """(last prompt position's logits [B, 1, V], hidden states of each prompt)."""
+
+    def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor):
+        """(logits [B, N, V], hidden states) of the tree rows; valid [B]: committed rows."""
+
+    def commit(self, verdict: ops.GreedyVerdict) -> None:
+        """Keeps the accepted path's rows / states."""
+
+
 @dataclass
 class GenerationResult:
     tokens: List[int]                      # generated tokens, prompt excluded
     acceptance_lengths: List[int]          # tokens emitted per round (accepted + bonus)
     seconds: float                         # wall time of the call, prefill included
     stage_seconds: Dict[str, float] = field(default_factory=dict)  # summed over rounds, synced
+    # Prefill and the warm-up rounds (the drafter's prompt pass; graph capture with cuda_graph):
+    warmup_seconds: float = 0.0
+    warmup_rounds: int = 0
 
     @property
     def tau(self) -> float:
@@ -66,6 +82,11 @@ class GenerationResult:
 
     @property
     def tokens_per_second(self) -> float:
+        """Decoding speed after the warm-up (over the whole call when no round followed it)."""
+        tokens = min(len(self.tokens), 1 + sum(self.acceptance_lengths))
+        warm = 1 + sum(self.acceptance_lengths[: self.warmup_rounds])
+        if len(self.acceptance_lengths) > self.warmup_rounds and tokens > warm:
+            return (tokens - warm) / max(1e-9, self.seconds - self.warmup_seconds)
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
 
 
@@ -125,16 +146,25 @@ class _StageClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: List[list] = []
+        self.round_starts: List[float] = []
 
     def mark(self, new_round: bool = False) -> None:
         if new_round:
             self.marks.append([])
+            self.round_starts.append(time.perf_counter())
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks[-1].append(event)
         else:
             self.marks[-1].append(time.perf_counter())
+
+    def elapsed_before(self, rounds: int, started: float) -> float:
+        """Seconds from `started` to the start of round `rounds` (0-based; host clock: each round
+        ends with its host read, so the host is in step) — the whole call when fewer ran."""
+        if len(self.round_starts) <= rounds:
+            return time.perf_counter() - started
+        return self.round_starts[rounds] - started
 
     def totals(self) -> Dict[str, float]:
         out = dict.fromkeys(STAGES, 0.0)
@@ -242,12 +272,13 @@ class _Requests:
             self.tokens[b].extend(new)
             self._stream(b, new)
 
-    def results(self, seconds: float, stages: Dict[str, float]) -> List[GenerationResult]:
+    def results(self, seconds: float, stages: Dict[str, float], warmup_seconds: float,
+                warmup_rounds: int) -> List[GenerationResult]:
         out = []
         for toks, lengths in zip(self.tokens, self.lengths):
             cut = next((i + 1 for i, t in enumerate(toks) if t in self.stops), len(toks))
             out.append(GenerationResult(toks[: min(cut, self.max_new)], lengths, seconds,
-                                        dict(stages)))
+                                        dict(stages), warmup_seconds, warmup_rounds))
         return out
 
 
@@ -307,4 +338,6 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             valid, bonus = valid + verdict.accept_len, verdict.bonus
             requests.take(emitted.tolist())  # the round's one host read
             clock.mark()
-    return requests.results(time.perf_counter() - started, clock.totals())
+    warmup_rounds = 2 if cuda_graph and mode != "autoregressive" else 1
+    return requests.results(time.perf_counter() - started, clock.totals(),
+                            clock.elapsed_before(warmup_rounds, started), warmup_rounds)
