@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import ddtree
 from ddtree import reference
 from conftest import KERNEL_BACKENDS, kernel_device
+from test_tree_ops import draft_inputs
 
 SCALE = 10 if os.environ.get("DDTREE_FUZZ") == "long" else 1
 BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
@@ -90,7 +91,7 @@ def expect_tree_error(fn):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@fuzz_settings(400)
+@fuzz_settings(700)
 @given(forests(), st.integers(0, 5000))
 def test_fuzz_tree_visibility(backend, case, start):
     parents, counts, valid = case
@@ -108,7 +109,7 @@ def test_fuzz_tree_visibility(backend, case, start):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@fuzz_settings(200)
+@fuzz_settings(300)
 @given(forests(max_n=40), st.integers(0, 40), st.sampled_from([torch.float32, torch.bfloat16]),
        st.booleans())
 def test_fuzz_tree_attention_mask(backend, case, past, dtype, with_prefix):
@@ -144,7 +145,7 @@ def tree_links(parents, counts):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@fuzz_settings(400)
+@fuzz_settings(700)
 @given(forests(corrupt=False), st.integers(1, 6), st.integers(0, 12), st.integers(0, 2**31 - 1))
 def test_fuzz_verify_greedy(backend, case, vocab, max_depth, seed):
     """Random trees over a small vocabulary (so target tokens often match a child) and a max_depth
@@ -252,3 +253,87 @@ def test_fuzz_tree_topk_and_chain_tree(backend, batch, levels, vocab, k, seed, s
     for a, b in zip(chain, want):
         assert torch.equal(a.cpu(), b)
     count_trees(f"chain_tree[{backend}]", batch)
+
+
+@st.composite
+def build_inputs(draw):
+    """Sorted top-k draft rows (ties, -inf / NaN tails, K = 0, L = 0, per-request budgets), or a
+    corruption the op must name: unsorted rows, negative ids, per-request budgets above the
+    budget, a budget beyond 4096."""
+    values, ids, roots, budget, budgets = draw(draft_inputs(max_batch=4, max_depth=8, max_k=8,
+                                                            max_budget=60))
+    corrupt = draw(st.sampled_from([None] * 6 + ["sorted", "ids", "budgets", "budget"]))
+    if corrupt == "sorted" and values.shape[-1] >= 2 and values.shape[1] >= 1:
+        values = values.clone()
+        values[0, 0, 1] = values[0, 0, 0].nan_to_num(nan=0.0, neginf=0.0) + 1.0
+    elif corrupt == "ids" and ids.numel():
+        ids = ids.clone()
+        ids.view(-1)[0] = -3
+    elif corrupt == "budgets":
+        budgets = torch.full((values.shape[0],), budget + 1)
+    elif corrupt == "budget":
+        budget = 4097
+    else:
+        corrupt = None
+    return values, ids, roots, budget, budgets, corrupt
+
+
+BUILD_ERRORS = {"sorted": "logprobs must be sorted in non-increasing order",
+                "ids": "ids must be token ids >= 0", "budgets": r"budgets must be in \[0, budget\]",
+                "budget": r"budget must be in \[0, 4096\]"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(800)
+@given(build_inputs())
+def test_fuzz_build_tree(backend, case):
+    values, ids, roots, budget, budgets, corrupt = case
+    dev = device_for(backend)
+    call = lambda: ops_for(backend).build_tree(  # noqa: E731
+        values.to(dev), ids.to(dev), roots.to(dev), budget, None if budgets is None else budgets.to(dev))
+    if corrupt:
+        with pytest.raises(RuntimeError, match=BUILD_ERRORS[corrupt]):
+            call()
+        return
+    got = call()
+    want = reference.build_tree(values, ids, roots, budget, budgets)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+    count_trees(f"build_tree[{backend}]", values.shape[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(150)
+@given(forests(max_batch=3, max_n=24), st.integers(1, 4), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_fuzz_recurrent_ops(backend, case, width, seed, dtype):
+    """tree_causal_conv1d and tree_gated_delta_rule over random forests (GQA, pool slots, any
+    kernel width): equal to the reference, or the tree error named."""
+    parents, counts, valid = case
+    g = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    dev = device_for(backend)
+    op = ops_for(backend)
+    x = torch.randn(batch, n, 6, generator=g).to(dtype)
+    conv_state = torch.randn(batch + 1, 6, width, generator=g).to(dtype)
+    weight, bias = torch.randn(6, width, generator=g), torch.randn(6, generator=g)
+    slots = torch.randperm(batch + 1, generator=g)[:batch]
+    q, k = (torch.randn(batch, n, 1, 8, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(batch, n, 2, 4, generator=g).to(dtype)
+    gate = -torch.rand(batch, n, 2, generator=g)
+    beta = torch.rand(batch, n, 2, generator=g)
+    state = torch.randn(batch + 1, 2, 8, 4, generator=g)
+    depth = int(reference.tree_depths(parents, counts.clamp(0, n)).max()) if batch and valid else n
+    conv = lambda: op.tree_causal_conv1d(  # noqa: E731
+        *(t.to(dev) for t in (x, conv_state, slots, weight, bias, parents, counts)), "silu")
+    gdn = lambda: op.tree_gated_delta_rule(  # noqa: E731
+        *(t.to(dev) for t in (q, k, v, gate, beta, state, slots, parents, counts)), depth)
+    if not valid:
+        expect_tree_error(conv)
+        return expect_tree_error(gdn)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(conv().cpu().float(), reference.tree_causal_conv1d(
+        x, conv_state, slots, weight, bias, parents, counts).float(), **tol)
+    torch.testing.assert_close(gdn().cpu().float(), reference.tree_gated_delta_rule(
+        q, k, v, gate, beta, state, slots, parents, counts).float(), **tol)
+    count_trees(f"recurrent[{backend}]", 2 * batch)

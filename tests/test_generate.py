@@ -233,6 +233,34 @@ def test_bad_input():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4))
     with pytest.raises(ValueError, match="unsupported target architecture 'gpt2'"):
         generate(gpt2, drafter, torch.tensor([[1]]), 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        generate(target, drafter, torch.tensor([[1]]), 0)
+    with pytest.raises(ValueError, match=r"prompt 0 holds token ids outside the target's "
+                                         r"vocabulary \[0, 96\): min 1, max 96"):
+        generate(target, drafter, torch.tensor([[1, VOCAB]]), 4)
+    with pytest.raises(ValueError, match="min -1"):
+        generate(target, drafter, torch.tensor([[-1, 3]]), 4)
+    with pytest.raises(ValueError, match=r"longest prompt \(500 tokens\) \+ max_new_tokens \(13\) "
+                                         r"exceeds the target's max_position_embeddings \(512\)"):
+        generate(target, drafter, torch.ones(1, 500, dtype=torch.long), 13)
+    for bad in (dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=float("nan"))):
+        with pytest.raises(ValueError, match="finite temperature"):
+            generate(target, drafter, torch.tensor([[1]]), 4, **bad)
+    # A drafter of another target: hidden size, feature layers, mask token outside the vocabulary.
+    with pytest.raises(ValueError, match="hidden_size"):
+        generate(tiny_hybrid(), tiny_drafter_of(hidden=32), torch.tensor([[1]]), 4)
+    with pytest.raises(ValueError, match="feature layers"):
+        generate(target, tiny_drafter(layer_ids=[1, 7]), torch.tensor([[1]]), 4)
+    with pytest.raises(ValueError, match="mask_token_id 200 is outside the target vocabulary"):
+        generate(target, tiny_drafter_of(mask=200), torch.tensor([[1]]), 4)
+
+
+def tiny_drafter_of(hidden=HIDDEN, mask=VOCAB - 1):
+    cfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=128, block_size=8, num_target_layers=LAYERS,
+                             dflash_config={"mask_token_id": mask}))
+    return DFlashDrafter(cfg).eval()
 
 
 def test_sampling_is_distributed_as_target_sampling():
@@ -660,3 +688,33 @@ def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
     assert len(rounds) >= 5 and all(len(m) == 5 for m in rounds)
     assert [m[-1] - m[0] for m in rounds] == [1] * len(rounds)
     assert not any(checks) and ddtree.validation_enabled()
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_max_new_tokens_boundaries_with_full_acceptances(mode):
+    """A drafter that is always right (rounds of block_size tokens) at every max_new_tokens around
+    the block boundaries, a batch of three: exactly the first max_new_tokens greedy tokens — the
+    last round overshoots and is cut, the static caches hold the overshoot."""
+    from ddtree.generate import generate_batch
+
+    target = tiny_target(seed=3)
+    truths = [greedy_reference(target, torch.tensor([p]), 26) for p in PROMPTS]
+    for n in (1, 2, 7, 8, 9, 15, 16, 17, 25):
+        oracle = BatchOracle([t + [0] * 16 for t in truths], [len(p) for p in PROMPTS], hit=1.0)
+        results = generate_batch(target, oracle, PROMPTS, n, mode=mode, budget=[16, 8, 40])
+        assert [r.tokens for r in results] == [t[:n] for t in truths], n
+        if n >= 9:
+            assert max(r.tau for r in results) == 8.0  # full blocks were accepted
+
+
+def test_stop_token_at_the_last_position_and_budget_above_the_vocabulary():
+    target = tiny_target(seed=3)
+    ids = torch.tensor([PROMPTS[2]])
+    truth = greedy_reference(target, ids, 20)
+    stop = truth[19]
+    cut = truth.index(stop) + 1
+    got = generate(target, OracleDrafter(truth, len(PROMPTS[2]), hit=1.0), ids, 20,
+                   stop_token_ids=[stop])
+    assert got.tokens == truth[:cut]
+    got = generate(target, tiny_drafter(), ids, 20, budget=3 * VOCAB)  # K = V, N = 289 rows
+    assert got.tokens == truth

@@ -15,6 +15,7 @@ verify step and the drafter's step are captured once as CUDA graphs and replayed
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Protocol
@@ -200,10 +201,16 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
                           (lambda _, new: streamer(new)) if streamer else None, cuda_graph)[0]
 
 
-def _check_request(target, drafter, prompts, max_new_tokens, mode, budget):
-    """The API boundary's checks; returns (prompts as 1-D long tensors, budgets, is_hybrid)."""
+def _check_request(target, drafter, prompts, max_new_tokens, mode, budget, temperature, top_k,
+                   top_p):
+    """The API boundary's checks (the rounds run the ops without value checks); returns (prompts
+    as 1-D long tensors, budgets, is_hybrid)."""
     if mode not in MODES:
         raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
+    if not math.isfinite(temperature) or top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: sampling needs a finite temperature (<= 0: greedy), top_k >= 0 "
+                         f"and 0 < top_p <= 1; got temperature={temperature}, top_k={top_k}, "
+                         f"top_p={top_p}")
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
     if not prompts or any(p.numel() == 0 for p in prompts):
         raise ValueError("generate: every prompt must be non-empty")
@@ -213,6 +220,18 @@ def _check_request(target, drafter, prompts, max_new_tokens, mode, budget):
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     is_hybrid = _check_target(target)
+    vocab = target.get_input_embeddings().num_embeddings
+    for i, p in enumerate(prompts):
+        if p.min() < 0 or p.max() >= vocab:
+            raise ValueError(f"generate: prompt {i} holds token ids outside the target's vocabulary "
+                             f"[0, {vocab}): min {int(p.min())}, max {int(p.max())}")
+    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") \
+        else target.config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    longest = max(p.numel() for p in prompts)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"generate: the longest prompt ({longest} tokens) + max_new_tokens "
+                         f"({max_new_tokens}) exceeds the target's max_position_embeddings ({limit})")
     if mode != "autoregressive":
         if drafter is None:
             raise ValueError(f"generate: mode '{mode}' needs a drafter")
@@ -294,7 +313,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     stops advancing (nothing of it is committed any more). Returns one GenerationResult per
     request; streamer(request, new_tokens)."""
     prompts, budgets, is_hybrid = _check_request(target, drafter, prompts, max_new_tokens, mode,
-                                                 budget)
+                                                 budget, temperature, top_k, top_p)
     started = time.perf_counter()
     device = target.get_input_embeddings().weight.device
     batch, depth = len(prompts), (drafter.block_size - 1 if mode != "autoregressive" else 0)
