@@ -6,6 +6,8 @@ Environment:
   TORCH_CUDA_ARCH_LIST     e.g. "8.0;9.0;12.0+PTX" (the default); "9.0a" style entries allowed
   CUDA_HOME / CUDA_PATH    toolkit root; otherwise /usr/local/cuda, otherwise found from nvcc
   MAX_JOBS                 parallel compile jobs (ninja)
+  DDTREE_SANITIZE=1        CPU-only build with AddressSanitizer + UndefinedBehaviorSanitizer
+                           (make test-asan; the build-info file is left as it is)
 """
 import os
 import re
@@ -76,6 +78,9 @@ if mode == "1" and not cuda_possible:
         f"nvcc toolkit root={cuda_home!r}, torch {torch.__version__} CUDA={torch.version.cuda!r}"
     )
 with_cuda = cuda_possible if mode == "auto" else mode == "1"
+sanitize = os.environ.get("DDTREE_SANITIZE", "0").strip() == "1"
+if sanitize:
+    with_cuda = False
 
 arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
 version = re.search(r'__version__ = "([^"]+)"', (ROOT / "python/ddtree/version.py").read_text())[1]
@@ -91,6 +96,11 @@ define_macros = [("DDTREE_TORCH_VERSION", f'"{torch.__version__}"')]
 # OpenMP (torch's own backend); -fno-trapping-math lets branch-free float loops vectorise.
 cxx_flags = ["-O3", "-Wall", "-fopenmp", "-fno-trapping-math"]
 link_flags = ["-fopenmp"]
+if sanitize:  # every UB report is fatal, so a test that triggers one fails
+    asan = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer", "-g"]
+    cxx_flags = ["-O1", "-Wall", "-fopenmp", *asan]
+    link_flags += asan
 if with_cuda:
     sources += sorted(str(p.relative_to(ROOT)) for p in csrc.glob("kernels/*.cu"))
     define_macros.append(("DDTREE_WITH_CUDA", "1"))
@@ -114,13 +124,15 @@ else:
     )
 
 build_info = ROOT / "python/ddtree/_build_info.py"
-build_info.write_text(
-    "# Written by setup.py at build time.\n"
-    f"TORCH_VERSION = {torch.__version__!r}\n"
-    f"WITH_CUDA = {with_cuda!r}\n"
-    f"CUDA_ARCH_LIST = {(arch_list if with_cuda else '')!r}\n"
-)
-print(f"ddtree: building {'CPU + CUDA (' + arch_list + ')' if with_cuda else 'CPU-only'} "
+if not sanitize:
+    build_info.write_text(
+        "# Written by setup.py at build time.\n"
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"WITH_CUDA = {with_cuda!r}\n"
+        f"CUDA_ARCH_LIST = {(arch_list if with_cuda else '')!r}\n"
+    )
+print(f"ddtree: building {'CPU + CUDA (' + arch_list + ')' if with_cuda else 'CPU-only'}"
+      f"{' with ASan + UBSan' if sanitize else ''} "
       f"against torch {torch.__version__}", file=sys.stderr)
 
 setup(
