@@ -117,13 +117,15 @@ def test_lossless_with_long_acceptances(kind, budget):
         assert chain.tokens == truth
 
 
-def test_stop_token_inside_an_accepted_path():
+@pytest.mark.parametrize("at,max_new", [(12, 40), (19, 20)], ids=["inside-a-path", "last-position"])
+def test_stop_token(at, max_new):
+    """A stop token inside an accepted path, and as the very last allowed token."""
     target = tiny_target(seed=3)
     ids = torch.tensor([PROMPTS[0]])
-    truth = greedy_reference(target, ids, 40)
-    stop = truth[12]
+    truth = greedy_reference(target, ids, max_new)
+    stop = truth[at]
     cut = truth.index(stop) + 1
-    got = generate(target, OracleDrafter(truth, 3, hit=1.0), ids, 40, stop_token_ids=[stop])
+    got = generate(target, OracleDrafter(truth, 3, hit=1.0), ids, max_new, stop_token_ids=[stop])
     assert got.tokens == truth[:cut]
 
 
@@ -707,14 +709,8 @@ def test_max_new_tokens_boundaries_with_full_acceptances(mode):
             assert max(r.tau for r in results) == 8.0  # full blocks were accepted
 
 
-def test_stop_token_at_the_last_position_and_budget_above_the_vocabulary():
+def test_budget_above_the_vocabulary():
     target = tiny_target(seed=3)
     ids = torch.tensor([PROMPTS[2]])
-    truth = greedy_reference(target, ids, 20)
-    stop = truth[19]
-    cut = truth.index(stop) + 1
-    got = generate(target, OracleDrafter(truth, len(PROMPTS[2]), hit=1.0), ids, 20,
-                   stop_token_ids=[stop])
-    assert got.tokens == truth[:cut]
     got = generate(target, tiny_drafter(), ids, 20, budget=3 * VOCAB)  # K = V, N = 289 rows
-    assert got.tokens == truth
+    assert got.tokens == greedy_reference(target, ids, 20)

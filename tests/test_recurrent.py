@@ -308,33 +308,17 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_commit_recurrent_layers_commits_every_layer_like_the_reference(backend):
-    """One op call for three layers (different states, conv pools and saved tensors, shared paths):
-    each layer equals reference.commit_recurrent on its own inputs."""
-    cases = [commit_case(seed, (3, 6)) for seed in (2, 3, 4)]
+@pytest.mark.parametrize("layers,accept", [(3, (3, 6)), (35, (4, 2))], ids=["3-layers", "35-layers"])
+def test_commit_recurrent_layers_commits_every_layer_like_the_reference(backend, layers, accept):
+    """One op call for several layers (different states, conv pools and saved tensors, shared
+    paths), also more than the 32 one launch carries: each layer equals reference.commit_recurrent
+    on its own inputs."""
+    cases = [commit_case(seed + 2, accept) for seed in range(layers)]
     dev = "cpu" if backend == "cpu" else kernel_device(backend)
     states = [c[0].clone().to(dev) for c in cases]
     convs = [c[1].clone().to(dev) for c in cases]
     slots, accepted, lengths = cases[0][2], cases[0][8], cases[0][9]
     lists = [[c[i].to(dev) for c in cases] for i in (3, 4, 5, 6, 7)]  # k, v, g, beta, conv_x
-    ops_for(backend).commit_recurrent_layers_(states, convs, slots.to(dev), *lists,
-                                              accepted.to(dev), lengths.to(dev))
-    for c, st, cs in zip(cases, states, convs):
-        ref_state, ref_conv = reference.commit_recurrent(c[0], c[1], slots, c[3], c[4], c[5], c[6],
-                                                         c[7], accepted, lengths)
-        torch.testing.assert_close(st.cpu(), ref_state, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cs.cpu(), ref_conv, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_commit_recurrent_layers_past_one_launch_worth_of_layers(backend):
-    """35 layers (more than the 32 one launch carries): every layer equals the reference."""
-    cases = [commit_case(seed, (4, 2)) for seed in range(35)]
-    dev = "cpu" if backend == "cpu" else kernel_device(backend)
-    states = [c[0].clone().to(dev) for c in cases]
-    convs = [c[1].clone().to(dev) for c in cases]
-    slots, accepted, lengths = cases[0][2], cases[0][8], cases[0][9]
-    lists = [[c[i].to(dev) for c in cases] for i in (3, 4, 5, 6, 7)]
     ops_for(backend).commit_recurrent_layers_(states, convs, slots.to(dev), *lists,
                                               accepted.to(dev), lengths.to(dev))
     for c, st, cs in zip(cases, states, convs):
