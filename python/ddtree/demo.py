@@ -134,7 +134,7 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
 def _loop_demo() -> None:
     rows, results = run_loop_demo(plot=os.path.join("build", "demo", "ddtree_demo.png"))
     # The same tree mode with the tree_attention op (transformers attention "ddtree", no dense
-    # mask) on the fixed-shape verify step that cuda_graph=True captures on a GPU.
+    # mask) in the fixed-shape round that cuda_graph=True captures on a GPU.
     from . import embedded, hf
     from .generate import generate
 
@@ -144,7 +144,7 @@ def _loop_demo() -> None:
     r = generate(target, drafter, prompt, 96, mode="tree", budget=64,
                  stop_token_ids=[tokenizer.eos_token_id])
     same_op = r.tokens == results["autoregressive"][0].tokens
-    print(f"{'tree + tree_attention':<22} (static verify step, prompt 1): tau {r.tau:4.2f}, "
+    print(f"{'tree + tree_attention':<22} (tree_attention op, prompt 1): tau {r.tau:4.2f}, "
           f"identical to autoregressive: {'yes' if same_op else 'NO'}")
     same = all(row["identical"] for row in rows) and same_op
     print(f"lossless: every mode == autoregressive greedy tokens: {same}")
