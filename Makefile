@@ -10,7 +10,7 @@ STAMP := $(VENV)/.ddtree-deps
 CMAKE_BUILD ?= build/cmake
 CUDA_HOME ?= $(shell test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda)
 
-.PHONY: all build test test-asan demo embedded-pair bench-cpp bench-cpu clean
+.PHONY: all build test test-asan test-tsan demo embedded-pair bench-cpp bench-cpu clean
 
 all: build
 
@@ -25,24 +25,36 @@ build: $(STAMP)
 test: build
 	PYTHONPATH=python $(VPY) -m pytest tests -q
 
-# The op tests (CPU ops + the emulated CUDA kernels) against a CPU-only build with AddressSanitizer
-# + UndefinedBehaviorSanitizer (build/asan; the regular build is left alone). Python is not
-# instrumented: the sanitizer runtimes are preloaded; leak reports are off (CPython and torch
-# keep allocations until exit), every other report fails the run.
-ASAN_DIR := build/asan
+# The op tests (CPU ops + the emulated CUDA kernels) against CPU-only sanitizer builds (build/asan,
+# build/tsan; the regular build is left alone). Python is not instrumented: the sanitizer
+# runtimes are preloaded. test-asan: AddressSanitizer + UndefinedBehaviorSanitizer, leak reports
+# off (CPython and torch keep allocations until exit), every other report fails the run.
+# test-tsan: the emulator's race detector (ThreadSanitizer with every emulated thread a fiber,
+# see csrc/simt/emulator.cpp) over the emulated kernels, one OS thread; a data race fails the run.
 ASAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py \
 	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
 	tests/test_draft_attention.py tests/test_simt_emulator.py tests/test_fuzz.py
+TSAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py \
+	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
+	tests/test_draft_attention.py tests/test_simt_emulator.py
+define sanitized_build
+	rm -rf build/$(1)/python && mkdir -p build/$(1)/python
+	cp -r python/ddtree build/$(1)/python/ && rm -f build/$(1)/python/ddtree/_C*.so
+	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_JOBS=$(JOBS) DDTREE_CUDA=0 DDTREE_SANITIZE=$(2) \
+	  $(VPY) setup.py -q build_ext --build-lib build/$(1)/lib --build-temp build/$(1)/temp
+	cp build/$(1)/lib/ddtree/_C*.so build/$(1)/python/ddtree/
+endef
 test-asan: $(STAMP)
-	rm -rf $(ASAN_DIR)/python && mkdir -p $(ASAN_DIR)/python
-	cp -r python/ddtree $(ASAN_DIR)/python/ && rm -f $(ASAN_DIR)/python/ddtree/_C*.so
-	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_JOBS=$(JOBS) DDTREE_CUDA=0 DDTREE_SANITIZE=1 \
-	  $(VPY) setup.py -q build_ext --build-lib $(ASAN_DIR)/lib --build-temp $(ASAN_DIR)/temp
-	cp $(ASAN_DIR)/lib/ddtree/_C*.so $(ASAN_DIR)/python/ddtree/
+	$(call sanitized_build,asan,1)
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  PYTHONPATH=$(ASAN_DIR)/python $(VPY) -m pytest $(ASAN_TESTS) -q -p no:cacheprovider
+	  PYTHONPATH=build/asan/python $(VPY) -m pytest $(ASAN_TESTS) -q -p no:cacheprovider
+test-tsan: $(STAMP)
+	$(call sanitized_build,tsan,thread)
+	LD_PRELOAD="$$(gcc -print-file-name=libtsan.so)" OMP_NUM_THREADS=1 DDTREE_RACE_DETECTOR=1 \
+	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0" \
+	  PYTHONPATH=build/tsan/python $(VPY) -m pytest $(TSAN_TESTS) -q -p no:cacheprovider -k "emulated or emulator"
 
 demo: build
 	PYTHONPATH=python $(VPY) -m ddtree.demo

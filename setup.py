@@ -8,6 +8,9 @@ Environment:
   MAX_JOBS                 parallel compile jobs (ninja)
   DDTREE_SANITIZE=1        CPU-only build with AddressSanitizer + UndefinedBehaviorSanitizer
                            (make test-asan; the build-info file is left as it is)
+  DDTREE_SANITIZE=thread   CPU-only build with ThreadSanitizer, the SIMT emulator's runtime
+                           uninstrumented and annotated: the emulated kernels' race detector
+                           (make test-tsan)
 """
 import os
 import re
@@ -78,7 +81,10 @@ if mode == "1" and not cuda_possible:
         f"nvcc toolkit root={cuda_home!r}, torch {torch.__version__} CUDA={torch.version.cuda!r}"
     )
 with_cuda = cuda_possible if mode == "auto" else mode == "1"
-sanitize = os.environ.get("DDTREE_SANITIZE", "0").strip() == "1"
+sanitize_mode = os.environ.get("DDTREE_SANITIZE", "0").strip()
+if sanitize_mode not in ("0", "1", "thread"):
+    sys.exit(f"setup.py: DDTREE_SANITIZE must be 0, 1 or thread, got {sanitize_mode!r}")
+sanitize = sanitize_mode != "0"
 if sanitize:
     with_cuda = False
 
@@ -96,11 +102,26 @@ define_macros = [("DDTREE_TORCH_VERSION", f'"{torch.__version__}"')]
 # OpenMP (torch's own backend); -fno-trapping-math lets branch-free float loops vectorise.
 cxx_flags = ["-O3", "-Wall", "-fopenmp", "-fno-trapping-math"]
 link_flags = ["-fopenmp"]
-if sanitize:  # every UB report is fatal, so a test that triggers one fails
+extra_objects = []
+if sanitize_mode == "1":  # every UB report is fatal, so a test that triggers one fails
     asan = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
             "-fno-omit-frame-pointer", "-g"]
     cxx_flags = ["-O1", "-Wall", "-fopenmp", *asan]
     link_flags += asan
+elif sanitize_mode == "thread":
+    # The emulator's runtime (fibers, scheduler) is built apart, uninstrumented, with the
+    # ThreadSanitizer fiber annotations on; everything else (kernels, CPU ops) instrumented.
+    import subprocess
+
+    emulator = "csrc/simt/emulator.cpp"
+    sources.remove(emulator)
+    obj = ROOT / "build" / "tsan" / "emulator.o"
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["c++", "-O1", "-g", "-fPIC", "-std=c++20", "-DDDTREE_TSAN_FIBERS=1",
+                    f"-I{csrc}", "-c", str(ROOT / emulator), "-o", str(obj)], check=True)
+    extra_objects.append(str(obj))
+    cxx_flags = ["-O1", "-g", "-Wall", "-fopenmp", "-fsanitize=thread", "-DDDTREE_RACE_DETECTOR=1"]
+    link_flags += ["-fsanitize=thread"]
 if with_cuda:
     sources += sorted(str(p.relative_to(ROOT)) for p in csrc.glob("kernels/*.cu"))
     define_macros.append(("DDTREE_WITH_CUDA", "1"))
@@ -121,8 +142,10 @@ else:
         define_macros=define_macros,
         extra_compile_args={"cxx": cxx_flags},
         extra_link_args=link_flags,
+        extra_objects=extra_objects,
     )
 
+SANITIZER_LABELS = {"0": "", "1": " with ASan + UBSan", "thread": " with ThreadSanitizer"}
 build_info = ROOT / "python/ddtree/_build_info.py"
 if not sanitize:
     build_info.write_text(
@@ -132,7 +155,7 @@ if not sanitize:
         f"CUDA_ARCH_LIST = {(arch_list if with_cuda else '')!r}\n"
     )
 print(f"ddtree: building {'CPU + CUDA (' + arch_list + ')' if with_cuda else 'CPU-only'}"
-      f"{' with ASan + UBSan' if sanitize else ''} "
+      f"{SANITIZER_LABELS[sanitize_mode]} "
       f"against torch {torch.__version__}", file=sys.stderr)
 
 setup(

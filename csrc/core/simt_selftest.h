@@ -17,6 +17,7 @@ enum class SelftestKind : int {
   kSmemOverflow,     // writes n ints into dynamic shared memory of smem_bytes
   kWarpExit,         // lanes >= n exit while the rest shuffle with a full mask
   kCpAsync,          // cp.async in two groups, wait_group 1 / 0; n: 0 ok, 1 exit early, 2 misaligned
+  kSharedRace,       // threads write and read a neighbour's shared slot; n: 1 barrier between, 0 none
 };
 
 struct SelftestParams {

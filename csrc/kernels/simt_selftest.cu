@@ -67,7 +67,7 @@ __global__ void atomics_kernel(const SelftestParams p) {
   atomicMin(&out[p.m + 1], v);
   atomicOr(&out[p.m + 2], 1 << (v % 31));
   int* sum = &out[p.m + 3];
-  int old = *sum, assumed;
+  int old = atomicAdd(sum, 0), assumed;  // an atomic read: a plain one races with the CAS
   do {
     assumed = old;
     old = atomicCAS(sum, assumed, assumed + v);
@@ -150,6 +150,15 @@ __global__ void smem_overflow_kernel(const SelftestParams p) {
   if (threadIdx.x == 0) static_cast<int*>(p.out)[0] = buf[0];
 }
 
+// Thread t writes slot t and reads slot t ^ 1 (written by its neighbour): a data race unless a
+// barrier separates the write from the read (p.n = 1). The race detector's planted case.
+__global__ void shared_race_kernel(const SelftestParams p) {
+  __shared__ int slots[1024];
+  slots[threadIdx.x] = static_cast<int>(threadIdx.x);
+  if (p.n) __syncthreads();
+  static_cast<int*>(p.out)[threadIdx.x] = slots[threadIdx.x ^ 1];
+}
+
 __global__ void warp_exit_kernel(const SelftestParams p) {
   if (threadIdx.x >= p.n) return;
   static_cast<int*>(p.out)[threadIdx.x] = __shfl_xor_sync(kFull, static_cast<int>(threadIdx.x), 1);
@@ -212,6 +221,8 @@ int launch_simt_selftest(const SelftestParams& p, void* stream) {
       return launch_kernel(smem_overflow_kernel, dim3(1), block, p.smem_bytes, stream, p);
     case SelftestKind::kWarpExit:
       return launch_kernel(warp_exit_kernel, dim3(1), block, 0, stream, p);
+    case SelftestKind::kSharedRace:
+      return launch_kernel(shared_race_kernel, dim3(1), block, 0, stream, p);
     case SelftestKind::kCpAsync:
       return launch_kernel(cp_async_kernel, dim3(1), block, 2 * 4 * p.threads * sizeof(int),
                            stream, p);

@@ -137,6 +137,9 @@ __device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t n
     total -= sh.below;
   }
   if (total == 0) return block_argmax(p, b, node, sh);
+  // Every thread has read sh.value / sh.below (the filters' results) before thread 0 resets
+  // sh.value below (a race the emulator's race detector found).
+  __syncthreads();
   const u64 target = mulhi64(sample_random64(p.seed[b], p.offset[b], b, node), total);
   // First token (by id) whose inclusive cumulative weight exceeds target.
   u64 carried = 0;

@@ -68,9 +68,10 @@ Tensor simt_selftest(const std::string& name, const std::vector<Tensor>& inputs_
     p.trans = arg(args, 1, name) != 0;
     TORCH_CHECK(p.num == 1 || p.num == 2 || p.num == 4, "simt_selftest(ldmatrix): num is 1, 2, 4");
     out = at::zeros({32, 4}, opts.dtype(at::kInt));
-  } else if (name == "barrier_deadlock" || name == "warp_exit") {
+  } else if (name == "barrier_deadlock" || name == "warp_exit" || name == "shared_race") {
     p.kind = static_cast<int>(name == "barrier_deadlock" ? SelftestKind::kBarrierDeadlock
-                                                         : SelftestKind::kWarpExit);
+                              : name == "warp_exit"      ? SelftestKind::kWarpExit
+                                                         : SelftestKind::kSharedRace);
     p.threads = static_cast<int>(arg(args, 0, name));
     p.n = arg(args, 1, name);
     out = at::zeros({p.threads}, opts.dtype(at::kInt));

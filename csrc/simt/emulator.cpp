@@ -11,6 +11,25 @@
 #include <sstream>
 #include <vector>
 
+// Race detection (make test-tsan): this file is compiled without instrumentation and tells
+// ThreadSanitizer that every emulated thread is a fiber of its own (switches carry no ordering),
+// that __syncthreads / warp collectives order the accesses of the threads they join, and that
+// kernel launches order everything (host -> grid -> host; the blocks of a grid are ordered too).
+// The kernels, compiled with -fsanitize=thread, then report any shared- or global-memory access
+// pair of two threads, one a write, with no barrier between them.
+#ifdef DDTREE_TSAN_FIBERS
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
+void __tsan_ignore_thread_begin(void);
+void __tsan_ignore_thread_end(void);
+}
+#endif
+
 namespace ddtree::simt {
 namespace {
 
@@ -56,6 +75,7 @@ struct Collective {
 };
 
 struct Warp {
+  char sync = 0;  // the race detector's synchronisation address of the warp's collectives
   int first_thread = 0;
   int size = 0;  // lanes that exist (the last warp of a block may be partial)
   std::vector<Collective> pending;
@@ -94,6 +114,7 @@ struct AsyncCopy {
 
 struct Fiber {
   ucontext_t ctx;
+  void* race_fiber = nullptr;  // ThreadSanitizer's fiber (race-detector builds)
   State state = State::Done;
   dim3 tid;
   std::vector<AsyncCopy> open_group;               // issued, not yet committed
@@ -108,6 +129,8 @@ struct Block {
   std::vector<Stack*> stacks;
   std::vector<Warp> warps;
   ucontext_t scheduler;
+  void* race_scheduler = nullptr;
+  char barrier_sync = 0;  // the race detector's synchronisation address of __syncthreads
   int current = -1;
   bool failed = false;
   std::string error;
@@ -122,6 +145,34 @@ thread_local std::vector<std::unique_ptr<Stack>> tl_stack_pool;  // reused acros
 thread_local ThreadRegs tl_regs;
 uint64_t g_switches = 0;
 uint64_t g_grids = 0;
+// Race-detector synchronisation addresses: the host releases g_launch_sync before each block and
+// every thread acquires it when it starts; threads release g_exit_sync when they end and the
+// host acquires it before the next block and after the grid. So launches (and blocks) are
+// ordered, while the threads of one block are ordered only by their barriers and collectives.
+char g_launch_sync = 0, g_exit_sync = 0;
+
+#ifdef DDTREE_TSAN_FIBERS
+void race_acquire(void* addr) { __tsan_acquire(addr); }
+void race_release(void* addr) { __tsan_release(addr); }
+void race_switch(void* fiber) { __tsan_switch_to_fiber(fiber, 1); }  // 1: no synchronisation
+void* race_current() { return __tsan_get_current_fiber(); }
+void* race_create() { return __tsan_create_fiber(0); }
+void race_destroy(void* fiber) { __tsan_destroy_fiber(fiber); }
+// The emulator's own bookkeeping done on a thread's behalf (collective slots, cp.async queues)
+// is not the kernel's memory traffic: the race detector does not watch it.
+struct RaceIgnore {
+  RaceIgnore() { __tsan_ignore_thread_begin(); }
+  ~RaceIgnore() { __tsan_ignore_thread_end(); }
+};
+#else
+struct RaceIgnore {};
+void race_acquire(void*) {}
+void race_release(void*) {}
+void race_switch(void*) {}
+void* race_current() { return nullptr; }
+void* race_create() { return nullptr; }
+void race_destroy(void*) {}
+#endif
 
 std::string dim_str(dim3 d) {
   std::ostringstream s;
@@ -136,6 +187,7 @@ Block& current_block(const char* what) {
 
 void switch_to_scheduler(Block& b) {
   ++g_switches;
+  race_switch(b.race_scheduler);
   swapcontext(&b.fibers[b.current].ctx, &b.scheduler);
 }
 
@@ -148,6 +200,7 @@ void switch_to_scheduler(Block& b) {
   b.failed = true;
   b.error = s.str();
   f.state = State::Done;
+  race_release(&g_exit_sync);  // the host reads the error
   switch_to_scheduler(b);
   std::abort();  // never resumed
 }
@@ -160,6 +213,7 @@ std::string hex(uint32_t v) {
 
 void fiber_entry() {
   Block& b = *tl_block;
+  race_acquire(&g_launch_sync);
   try {
     (*b.body)();
   } catch (const std::exception& e) {
@@ -174,6 +228,7 @@ void fiber_entry() {
                   op_name(c.op) + " with mask " + hex(c.mask));
   if (!b.fibers[t].open_group.empty() || !b.fibers[t].committed.empty())
     fail(b, "exited with cp.async copies it never waited for (cp.async.wait_group)");
+  race_release(&g_exit_sync);
   b.fibers[t].state = State::Done;
   switch_to_scheduler(b);
   std::abort();
@@ -347,17 +402,24 @@ void warp_collective(unsigned mask, int op, const uint32_t* in, int n_in, uint32
   // different collectives (independent thread scheduling) — if they never meet, the scheduler
   // reports the deadlock.
   Collective* coll = nullptr;
-  for (Collective& c : w.pending)
-    if (c.mask == mask && c.op == op) coll = &c;
-  if (!coll) {
-    w.pending.push_back(Collective{mask, 0u, op});
-    coll = &w.pending.back();
+  {
+    RaceIgnore ignore;
+    for (Collective& c : w.pending)
+      if (c.mask == mask && c.op == op) coll = &c;
+    if (!coll) {
+      w.pending.push_back(Collective{mask, 0u, op});
+      coll = &w.pending.back();
+    }
+    std::memcpy(w.slot[lane].in, in, sizeof(uint32_t) * n_in);
   }
-  std::memcpy(w.slot[lane].in, in, sizeof(uint32_t) * n_in);
+  race_release(&w.sync);
   coll->arrived |= 1u << lane;
   if (coll->arrived == mask) {
     const Collective done = *coll;
-    w.pending.erase(w.pending.begin() + (coll - w.pending.data()));
+    {
+      RaceIgnore ignore;
+      w.pending.erase(w.pending.begin() + (coll - w.pending.data()));
+    }
     combine(b, w, done);
     for (int l = 0; l < 32; ++l)
       if (l != lane && (mask & (1u << l))) b.fibers[w.first_thread + l].state = State::Runnable;
@@ -365,6 +427,8 @@ void warp_collective(unsigned mask, int op, const uint32_t* in, int n_in, uint32
     b.fibers[t].state = State::AtWarpCollective;
     switch_to_scheduler(b);
   }
+  race_acquire(&w.sync);
+  RaceIgnore ignore;
   std::memcpy(out, w.slot[lane].out, sizeof(uint32_t) * n_out);
 }
 
@@ -412,7 +476,18 @@ void run_block(Block& b) {
     f.ctx.uc_stack.ss_size = b.stacks[i]->bytes;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_entry, 0);
+    f.race_fiber = race_create();
   }
+  b.race_scheduler = race_current();
+  race_acquire(&g_exit_sync);  // earlier blocks and the host's writes come before this block
+  race_release(&g_launch_sync);
+  struct RaceFibers {  // destroyed however the block ends (errors included)
+    Block& b;
+    ~RaceFibers() {
+      race_acquire(&g_exit_sync);  // the host after the block's threads
+      for (Fiber& f : b.fibers) race_destroy(f.race_fiber);
+    }
+  } race_fibers{b};
   for (Warp& w : b.warps) w.pending.clear();
   tl_regs.block_idx = b.block_idx;
   tl_regs.block_dim = b.block_dim;
@@ -424,7 +499,9 @@ void run_block(Block& b) {
       b.current = i;
       tl_regs.thread_idx = b.fibers[i].tid;
       ++g_switches;
+      race_switch(b.fibers[i].race_fiber);
       swapcontext(&b.scheduler, &b.fibers[i].ctx);
+      race_acquire(&g_exit_sync);  // what ended (or failed) is seen by the scheduler
       ran = true;
       if (b.failed) throw Error(b.error);
     }
@@ -456,10 +533,15 @@ uint64_t context_switches() { return g_switches; }
 
 uint64_t grids_run() { return g_grids; }
 
+void atomic_acquire(const void* addr) { race_acquire(const_cast<void*>(addr)); }
+void atomic_release(const void* addr) { race_release(const_cast<void*>(addr)); }
+
 void syncthreads() {
   Block& b = current_block("__syncthreads");
   b.fibers[b.current].state = State::AtBlockBarrier;
+  race_release(&b.barrier_sync);
   switch_to_scheduler(b);
+  race_acquire(&b.barrier_sync);
 }
 
 void syncwarp(unsigned mask) {
@@ -503,11 +585,13 @@ void cp_async_16(void* smem_dst, const void* global_src) {
   AsyncCopy c;
   c.dst = smem_dst;
   std::memcpy(c.bytes, global_src, 16);
+  RaceIgnore ignore;
   b.fibers[b.current].open_group.push_back(c);
 }
 
 void cp_async_commit() {
   Fiber& f = current_block("cp.async.commit_group").fibers[tl_block->current];
+  RaceIgnore ignore;
   f.committed.push_back(std::move(f.open_group));
   f.open_group.clear();
 }
@@ -517,6 +601,7 @@ void cp_async_wait(int pending_groups) {
   const size_t keep = static_cast<size_t>(std::max(pending_groups, 0));
   while (f.committed.size() > keep) {
     for (const AsyncCopy& c : f.committed.front()) std::memcpy(c.dst, c.bytes, 16);
+    RaceIgnore ignore;
     f.committed.erase(f.committed.begin());
   }
 }
@@ -552,6 +637,9 @@ void ldmatrix(uint32_t* out, const void* row, int num, bool trans) {
 
 void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
   ++g_grids;
+  struct GridEnd {  // the host sees the grid's writes
+    ~GridEnd() { race_acquire(&g_exit_sync); }
+  } grid_end;
   if (tl_block) throw Error("SIMT emulator: kernel launched from inside a kernel");
   const uint64_t threads = static_cast<uint64_t>(block.x) * block.y * block.z;
   if (threads == 0 || threads > 1024 || block.z > 64)

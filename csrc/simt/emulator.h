@@ -11,7 +11,13 @@
 #define __host__
 #define __forceinline__ inline
 #define __noinline__
+// Shared memory: per OS thread (several threads may run emulated kernels at once). The race
+// detector's build (one thread) uses plain statics: ThreadSanitizer does not watch thread-locals.
+#ifdef DDTREE_RACE_DETECTOR
+#define __shared__ static
+#else
 #define __shared__ static thread_local
+#endif
 #define __constant__ static
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))

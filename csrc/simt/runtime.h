@@ -106,45 +106,62 @@ void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const fl
 // ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16: `row` is this lane's row address.
 void ldmatrix(uint32_t* out, const void* row, int num, bool trans);
 
+// Race-detector builds (make test-tsan: DDTREE_TSAN_FIBERS) tell ThreadSanitizer that an atomic
+// orders the accesses of its address (acquire before, release after); no-ops otherwise.
+void atomic_acquire(const void* addr);
+void atomic_release(const void* addr);
+struct AtomicScope {
+  const void* addr;
+  explicit AtomicScope(const void* a) : addr(a) { atomic_acquire(a); }
+  ~AtomicScope() { atomic_release(addr); }
+};
+
 // Atomics: fibers of a block never run concurrently, so plain read-modify-write is atomic.
 template <class T>
 T atomic_add(T* addr, T v) {
+  AtomicScope scope(addr);
   T old = *addr;
   *addr = old + v;
   return old;
 }
 template <class T>
 T atomic_max(T* addr, T v) {
+  AtomicScope scope(addr);
   T old = *addr;
   if (v > old) *addr = v;
   return old;
 }
 template <class T>
 T atomic_min(T* addr, T v) {
+  AtomicScope scope(addr);
   T old = *addr;
   if (v < old) *addr = v;
   return old;
 }
 template <class T>
 T atomic_exch(T* addr, T v) {
+  AtomicScope scope(addr);
   T old = *addr;
   *addr = v;
   return old;
 }
 template <class T>
 T atomic_cas(T* addr, T compare, T v) {
+  AtomicScope scope(addr);
   T old = *addr;
   if (old == compare) *addr = v;
   return old;
 }
 template <class T>
 T atomic_or(T* addr, T v) {
+  AtomicScope scope(addr);
   T old = *addr;
   *addr = old | v;
   return old;
 }
 template <class T>
 T atomic_and(T* addr, T v) {
+  AtomicScope scope(addr);
   T old = *addr;
   *addr = old & v;
   return old;
