@@ -337,3 +337,82 @@ def test_fuzz_recurrent_ops(backend, case, width, seed, dtype):
     torch.testing.assert_close(gdn().cpu().float(), reference.tree_gated_delta_rule(
         q, k, v, gate, beta, state, slots, parents, counts).float(), **tol)
     count_trees(f"recurrent[{backend}]", 2 * batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(60)
+@given(forests(max_batch=3, max_n=40, corrupt=False), st.integers(0, 2**31 - 1),
+       st.sampled_from([(4, 2), (2, 2), (4, 1)]), st.booleans())
+def test_fuzz_tree_attention(backend, case, seed, heads, with_prefix):
+    """Random forests over random prefixes (GQA, prefix_len below the tree start); CPU in fp32
+    with head dims 8 / 16 / 64, the emulated mma kernel in bf16 with 64."""
+    parents, counts, _ = case
+    g = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    hq, hkv = heads
+    kernel = backend != "cpu"
+    d = 64 if kernel else [8, 16, 64][seed % 3]
+    dtype = torch.bfloat16 if kernel else torch.float32
+    past = torch.randint(0, 30, (batch,), generator=g)
+    s = (int(past.max()) if batch else 0) + n + 3
+    q = torch.randn(batch, n, hq, d, generator=g).to(dtype)
+    k_cache, v_cache = (torch.randn(batch, hkv, s, d, generator=g).to(dtype) for _ in range(2))
+    prefix = (past - torch.randint(0, 4, (batch,), generator=g)).clamp(min=0) if with_prefix else None
+    vis = reference.tree_visibility_bool(parents, counts)
+    packed = reference.pack_rows(vis)
+    dev = device_for(backend)
+    got = ops_for(backend).tree_attention(
+        q.to(dev), k_cache.to(dev), v_cache.to(dev), past.to(dev), packed.to(dev), None,
+        None if prefix is None else prefix.to(dev), None).cpu().float()
+    want = reference.tree_attention(q.float(), k_cache.float(), v_cache.float(), past, vis, None,
+                                    prefix)
+    tol = dict(rtol=2e-2, atol=2e-2) if kernel else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+    count_trees(f"tree_attention[{backend}]", batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(120)
+@given(forests(max_batch=3, max_n=20, corrupt=False), st.integers(0, 2**31 - 1),
+       st.integers(1, 4), st.booleans())
+def test_fuzz_commit_recurrent(backend, case, seed, width, too_long):
+    """Random accepted root paths (lengths 0..depth + 1) in random forests; an accept length past
+    the path buffer is named."""
+    parents, counts, _ = case
+    g = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    k = torch.randn(batch, n, 1, 8, generator=g)
+    v = torch.randn(batch, n, 2, 4, generator=g)
+    gate, beta = -torch.rand(batch, n, 2, generator=g), torch.rand(batch, n, 2, generator=g)
+    conv_x = torch.randn(batch, n, 6, generator=g)
+    state = torch.randn(batch + 1, 2, 8, 4, generator=g)
+    conv_state = torch.randn(batch + 1, 6, width, generator=g)
+    slots = torch.randperm(batch + 1, generator=g)[:batch]
+    a = n
+    accepted = torch.full((batch, a), -1, dtype=torch.int64)
+    lengths = torch.zeros(batch, dtype=torch.int64)
+    for b in range(batch):
+        if int(counts[b]) == 0:
+            continue
+        leaf = int(torch.randint(0, int(counts[b]), (1,), generator=g))
+        path = reference.tree_path(parents[b], int(counts[b]), leaf)
+        if path[0] != 0:  # a node under another root of the forest: keep the root alone
+            path = [0]
+        lengths[b] = int(torch.randint(0, len(path) + 1, (1,), generator=g))
+        accepted[b, : lengths[b]] = torch.tensor(path[: int(lengths[b])])
+    if too_long and batch:
+        lengths[0] = a + 1
+    dev = device_for(backend)
+    st_, cs = state.clone().to(dev), conv_state.clone().to(dev)
+    call = lambda: ops_for(backend).commit_recurrent_(  # noqa: E731
+        st_, cs, *(t.to(dev) for t in (slots, k, v, gate, beta, conv_x, accepted, lengths)))
+    if too_long and batch:
+        with pytest.raises(RuntimeError, match=r"accept_len\[0\] = \d+ must be in \[0, \d+\]"):
+            call()
+        return
+    call()
+    want_state, want_conv = reference.commit_recurrent(state, conv_state, slots, k, v, gate, beta,
+                                                       conv_x, accepted, lengths)
+    torch.testing.assert_close(st_.cpu(), want_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cs.cpu(), want_conv, rtol=0, atol=0)
+    count_trees(f"commit_recurrent_[{backend}]", batch)

@@ -34,6 +34,7 @@ inline int64_t attention_blocks_per_request(int64_t rows, int64_t hq, int64_t hk
 // but no split shorter than kAttnMinKeysPerSplit keys of the largest possible key count.
 inline int64_t choose_attention_splits(int64_t requested, int64_t batch, int64_t blocks_per_request,
                                        int64_t max_keys, int64_t sm_count) {
+  if (batch <= 0 || blocks_per_request <= 0) return 1;  // an empty batch launches nothing
   int64_t splits = requested;
   if (splits <= 0) {
     const int64_t blocks = batch * blocks_per_request;
