@@ -416,3 +416,46 @@ def test_fuzz_commit_recurrent(backend, case, seed, width, too_long):
     torch.testing.assert_close(st_.cpu(), want_state, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cs.cpu(), want_conv, rtol=0, atol=0)
     count_trees(f"commit_recurrent_[{backend}]", batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(150)
+@given(forests(max_batch=4, max_n=30, corrupt=False), st.integers(1, 12), st.integers(0, 12),
+       st.integers(0, 2**31 - 1), st.sampled_from(["greedy", "top1", "bad_top_p", "bad_top_k"]))
+def test_fuzz_verify_sample(backend, case, vocab, max_depth, seed, setting):
+    """Temperature 0, and top-k 1 without tied values, make the sampling walk deterministic: it
+    must equal the greedy walk of the reference over the logits' argmax (ties to the lower id);
+    top_p outside (0, 1] and top_k < 0 are named."""
+    parents, counts, _ = case
+    g = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    counts = counts.clamp(min=1)
+    parents = parents.clone()
+    for b in range(batch):
+        parents[b, int(counts[b]):] = -1
+        parents[b, 0] = -1
+    tokens = torch.randint(0, vocab, (batch, n), generator=g)
+    logits = torch.randn(batch, n, vocab, generator=g)
+    if setting == "greedy":  # ties go to the lower id; top-k 1 keeps tied values (HF), so no ties
+        logits = logits.round()
+    first, sibling = tree_links(parents, counts)
+    temperature = torch.full((batch,), 0.0 if setting == "greedy" else 0.7)
+    top_k = torch.full((batch,), -1 if setting == "bad_top_k" else 1 if setting == "top1" else 0)
+    top_p = torch.full((batch,), 0.0 if setting == "bad_top_p" else 1.0)
+    seeds, offsets = torch.arange(batch), torch.zeros(batch, dtype=torch.int64)
+    dev = device_for(backend)
+    call = lambda: ops_for(backend).verify_sample(  # noqa: E731
+        *(t.to(dev) for t in (tokens, first, sibling, counts, logits, temperature, top_k, top_p,
+                              seeds, offsets)), max_depth)
+    if setting.startswith("bad") and batch:
+        with pytest.raises(RuntimeError, match="top_p" if setting == "bad_top_p" else "top_k"):
+            call()
+        return
+    if setting.startswith("bad"):
+        return
+    got = call()
+    argmax = reference.tree_topk(logits, 1)[1][..., 0]
+    want = reference.verify_greedy(tokens, parents, counts, argmax, max_depth)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+    count_trees(f"verify_sample[{backend}]", batch)
