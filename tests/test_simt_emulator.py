@@ -186,6 +186,7 @@ def test_shared_race_kernel_with_a_barrier_reads_its_neighbour():
 
 RACE_PROBE = """
 import torch
+import ddtree  # registers the ops
 out = torch.ops.ddtree_emu.simt_selftest("shared_race", [torch.empty(0, dtype=torch.int32)],
                                          [64, {barrier}])
 print("values", out.tolist() == [t ^ 1 for t in range(64)])

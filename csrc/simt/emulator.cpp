@@ -484,6 +484,14 @@ void run_block(Block& b) {
   struct RaceFibers {  // destroyed however the block ends (errors included)
     Block& b;
     ~RaceFibers() {
+      // Threads a failed block left waiting end here: what they did comes before the host's
+      // next steps too (their stacks and the host's are reused).
+      for (Fiber& f : b.fibers)
+        if (f.state != State::Done) {
+          race_switch(f.race_fiber);
+          race_release(&g_exit_sync);
+        }
+      race_switch(b.race_scheduler);
       race_acquire(&g_exit_sync);  // the host after the block's threads
       for (Fiber& f : b.fibers) race_destroy(f.race_fiber);
     }
