@@ -117,7 +117,7 @@ elif sanitize_mode == "thread":
     sources.remove(emulator)
     obj = ROOT / "build" / "tsan" / "emulator.o"
     obj.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["c++", "-O1", "-g", "-fPIC", "-std=c++20", "-DDDTREE_TSAN_FIBERS=1",
+    subprocess.run(["c++", "-O1", "-g", "-fPIC", "-std=c++20", "-DDDTREE_RACE_DETECTOR=1",
                     f"-I{csrc}", "-c", str(ROOT / emulator), "-o", str(obj)], check=True)
     extra_objects.append(str(obj))
     cxx_flags = ["-O1", "-g", "-Wall", "-fopenmp", "-fsanitize=thread", "-DDDTREE_RACE_DETECTOR=1"]

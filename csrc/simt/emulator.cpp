@@ -17,7 +17,7 @@
 // kernel launches order everything (host -> grid -> host; the blocks of a grid are ordered too).
 // The kernels, compiled with -fsanitize=thread, then report any shared- or global-memory access
 // pair of two threads, one a write, with no barrier between them.
-#ifdef DDTREE_TSAN_FIBERS
+#ifdef DDTREE_RACE_DETECTOR
 extern "C" {
 void* __tsan_get_current_fiber(void);
 void* __tsan_create_fiber(unsigned flags);
@@ -151,7 +151,7 @@ uint64_t g_grids = 0;
 // ordered, while the threads of one block are ordered only by their barriers and collectives.
 char g_launch_sync = 0, g_exit_sync = 0;
 
-#ifdef DDTREE_TSAN_FIBERS
+#ifdef DDTREE_RACE_DETECTOR
 void race_acquire(void* addr) { __tsan_acquire(addr); }
 void race_release(void* addr) { __tsan_release(addr); }
 void race_switch(void* fiber) { __tsan_switch_to_fiber(fiber, 1); }  // 1: no synchronisation

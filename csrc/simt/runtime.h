@@ -106,15 +106,21 @@ void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const fl
 // ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16: `row` is this lane's row address.
 void ldmatrix(uint32_t* out, const void* row, int num, bool trans);
 
-// Race-detector builds (make test-tsan: DDTREE_TSAN_FIBERS) tell ThreadSanitizer that an atomic
+// Race-detector builds (make test-tsan: DDTREE_RACE_DETECTOR) tell ThreadSanitizer that an atomic
 // orders the accesses of its address (acquire before, release after); no-ops otherwise.
 void atomic_acquire(const void* addr);
 void atomic_release(const void* addr);
+#ifdef DDTREE_RACE_DETECTOR
 struct AtomicScope {
   const void* addr;
   explicit AtomicScope(const void* a) : addr(a) { atomic_acquire(a); }
   ~AtomicScope() { atomic_release(addr); }
 };
+#else
+struct AtomicScope {  // nothing to tell outside the race detector's build
+  explicit AtomicScope(const void*) {}
+};
+#endif
 
 // Atomics: fibers of a block never run concurrently, so plain read-modify-write is atomic.
 template <class T>
