@@ -188,6 +188,66 @@ def test_cpu_rows_split_over_threads(threads):
         torch.set_num_threads(before)
 
 
+def selection_rows():
+    """Rows for the CPU log-sum-exp pass and the floor-guided selection: the max jumping by more
+    than the pass's headroom mid-row, +inf / NaN mid-row, large logits (the m log2 e rounding
+    correction), ties at the floor, few real values (no finite floor), a plateau of equal maxima."""
+    g = torch.Generator().manual_seed(12)
+    V = 40000
+    rows = torch.randn(9, V, generator=g) * 3
+    rows[0, 30001] = 200.0                       # jump far above the running max
+    rows[0, 35000:35300] = 150.0
+    rows[1, 20000] = math.inf
+    rows[2, 17] = math.nan
+    rows[3] *= 2000.0                            # |logits| in the thousands
+    rows[4] = rows[4].round()                    # many ties, some exactly at the floor
+    rows[5, :] = -math.inf
+    rows[5, ::997] = torch.arange(len(range(0, V, 997)), dtype=torch.float32)  # 41 real values
+    rows[6, :] = 7.0                             # every value equal: ids decide
+    rows[7, 5000:] = -100.0                      # later blocks far below the max, exps ~0
+    rows[8] = torch.linspace(-50, 50, V)         # ascending: each block raises the max
+    return rows.reshape(1, 9, V)
+
+
+SELECTION_K = (1, 5, 64, 300, 1024)
+
+
+def test_cpu_selection_edge_rows():
+    logits = selection_rows()
+    for threads in (1, 2, 3):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for k in SELECTION_K:
+                check("cpu", logits, k)
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_cpu_baseline_isa_loops():
+    """The CPU loops built for the baseline instruction set (picked on CPUs without AVX2 + FMA;
+    DDTREE_CPU_BASELINE=1 forces them) against the reference, in a fresh process."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    here = pathlib.Path(__file__).resolve().parent
+    script = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import test_tree_topk as t\n"
+        "t.test_cpu_selection_edge_rows()\n"
+        "for shape in t.SHAPES:\n"
+        "    b, l, v, k = shape\n"
+        "    g = torch.Generator().manual_seed(v)\n"
+        "    t.check('cpu', torch.randn(b, l, v, generator=g) * 3, k)\n"
+        "lp, _ = torch.ops.ddtree.tree_topk(torch.zeros(1, 1, 3), 1)\n"
+        "print('ok')\n")
+    env = dict(os.environ, DDTREE_CPU_BASELINE="1")
+    out = subprocess.run([sys.executable, "-c", script, str(here)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
 # ---- chain_tree: the K = 1 tree straight from the logits ----
 
 def chain(backend, logits, roots):

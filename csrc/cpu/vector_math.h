@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 namespace ddtree::cpu {
 
@@ -46,9 +47,11 @@ __attribute__((always_inline)) inline float exp2_bounded(float t) {
 constexpr float kLog2e = 1.44269504088896341f;
 
 // Whether this CPU runs the AVX2 + FMA builds of the hot loops (decided once, at run time: GCC's
-// target_clones dispatch tests the CPU model, not its features).
+// target_clones dispatch tests the CPU model, not its features). DDTREE_CPU_BASELINE=1 in the
+// environment picks the baseline-ISA loops anyway (the tests run both).
 inline bool cpu_has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          std::getenv("DDTREE_CPU_BASELINE") == nullptr;
   return yes;
 }
 
