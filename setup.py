@@ -173,4 +173,6 @@ setup(
     entry_points={"console_scripts": ["ddtree=ddtree.cli:main"]},
     install_requires=["torch>=2.4", "numpy", "safetensors", "transformers>=5.2", "tokenizers",
                       "tqdm"],
+    # Tensor-parallel targets (transformers' tp_plan loading needs accelerate).
+    extras_require={"tp": ["accelerate"]},
 )

@@ -11,7 +11,7 @@ mkdir -p wheelhouse
 for v in 3.10 3.11 3.12; do
   "$PY" -m pip download --disable-pip-version-check -q --dest wheelhouse --only-binary=:all: \
     --python-version "$v" --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux_2_28_x86_64 "transformers==5.18.0" hypothesis safetensors pytest tqdm ninja
+    --platform manylinux_2_28_x86_64 "transformers==5.18.0" "accelerate==1.15.0" hypothesis safetensors pytest tqdm ninja
 done
 rm -f wheelhouse/numpy-*.whl  # the GPU machines' torch comes with numpy
 du -sh wheelhouse

@@ -14,6 +14,8 @@ void define_public_ops(torch::Library& m) {
       "tree_attention_mask(Tensor parents, Tensor num_nodes, int past, ScalarType dtype, "
       "Tensor? prefix_len=None) -> Tensor");
   m.def("tree_topk(Tensor logits, int k) -> (Tensor logprobs, Tensor ids)");
+  m.def("tree_topk_shard(Tensor logits, int k, int vocab_offset, int vocab_size) -> Tensor");
+  m.def("tree_topk_merge(Tensor parts) -> (Tensor logprobs, Tensor ids)");
   m.def(
       "chain_tree(Tensor logits, Tensor root_tokens) -> (Tensor node_tokens, Tensor parents, "
       "Tensor depths, Tensor first_child, Tensor next_sibling, Tensor num_nodes)");

@@ -11,15 +11,26 @@ struct TreeTopkParams {
   const void* logits = nullptr;  // [rows, vocab] contiguous rows (rows = B * L)
   LogitsDtype dtype = LogitsDtype::kFloat32;
   int64_t rows = 0, vocab = 0, k = 0;
+  int64_t id_offset = 0;         // token id of column 0 (a vocabulary shard's first id)
   float* logprobs = nullptr;     // [rows, k]
   int64_t* ids = nullptr;        // [rows, k]
-  // GPU split of few long rows: parts > 1 blocks per row, each over a vocabulary range, write
-  // their best k keys (descending, 0-padded) and running (max, sum) here; a merge kernel finishes.
+  // Partial results ("parts"): per (row, part) the part's k best keys (descending, 0-padded), then
+  // one word packing its log-sum-exp accumulator (pack_lse): k + 1 words a part, part (row, j) at
+  // part_keys + part_offset(p, row, j). Who writes / reads them:
+  //  - tree_topk on the GPU with few long rows: `parts` blocks per row, each over a vocabulary
+  //    range, write parts [rows, parts] (part_row_stride = parts, part_stride = 1); the merge
+  //    kernel finishes;
+  //  - tree_topk_shard: parts = 1, the parts [rows] are the op's output;
+  //  - tree_topk_merge: the merge kernel alone reads the shards' parts [S = parts, rows]
+  //    (part_row_stride = 1, part_stride = rows).
   int64_t parts = 1;
-  uint64_t* part_keys = nullptr;  // [rows * parts, k]
-  float* part_max = nullptr;      // [rows * parts]
-  float* part_sum = nullptr;      // [rows * parts]
+  uint64_t* part_keys = nullptr;  // nullptr: the top-k kernel writes logprobs / ids itself
+  int64_t part_row_stride = 1, part_stride = 1;
 };
+
+DDTREE_HOST_DEVICE int64_t part_offset(const TreeTopkParams& p, int64_t row, int64_t j) {
+  return (row * p.part_row_stride + j * p.part_stride) * (p.k + 1);
+}
 
 DDTREE_HOST_DEVICE float load_logit(const TreeTopkParams& p, int64_t row, int64_t v) {
   return load_elem(p.logits, p.dtype, row * p.vocab + v);
@@ -74,6 +85,16 @@ DDTREE_HOST_DEVICE LseAccumulator lse_merge(LseAccumulator a, LseAccumulator b) 
 }
 
 DDTREE_HOST_DEVICE float lse_value(const LseAccumulator& a) { return a.m + logf(a.s); }
+
+// A part's accumulator in one 64-bit word (max bits high, sum bits low), so that a part is k + 1
+// words of one int64 tensor (tree_topk_shard's output, all-gathered as one tensor).
+DDTREE_HOST_DEVICE uint64_t pack_lse(LseAccumulator a) {
+  return (static_cast<uint64_t>(float_bits(a.m)) << 32) | float_bits(a.s);
+}
+DDTREE_HOST_DEVICE LseAccumulator unpack_lse(uint64_t word) {
+  return LseAccumulator{float_from_bits(static_cast<uint32_t>(word >> 32)),
+                        float_from_bits(static_cast<uint32_t>(word))};
+}
 
 
 // ---- chain_tree: the K = 1 tree (a DFlash chain) straight from the draft logits ----

@@ -422,6 +422,45 @@ void tree_topk_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end)
   }
 }
 
+// A range's accumulator in the GPU kernels' (max, sum) convention (core/tree_topk.h): sum NaN
+// after a NaN, 1 for a +inf max, 0 with nothing finite.
+LseAccumulator accumulator_of(const TopkPartial& a) {
+  if (a.nan) return LseAccumulator{a.max, std::numeric_limits<float>::quiet_NaN()};
+  if (a.max == kInf) return LseAccumulator{kInf, 1.f};
+  return LseAccumulator{a.max, static_cast<float>(a.sum)};
+}
+
+void tree_topk_shard_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
+  std::vector<uint64_t> buf(scratch_size(p.k));
+  std::vector<float> scratch;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const TopkPartial acc = topk_span(static_cast<const float*>(p.logits) + row * p.vocab, 0,
+                                      p.vocab, p.k, buf.data(), scratch);
+    // Local ids -> global: the key's low word is ~id, so id + offset is the key minus offset.
+    for (int64_t i = 0; i < acc.count; ++i) buf[i] -= static_cast<uint64_t>(p.id_offset);
+    std::sort(buf.begin(), buf.begin() + acc.count, std::greater<uint64_t>());
+    uint64_t* part = p.part_keys + part_offset(p, row, 0);
+    std::copy(buf.begin(), buf.begin() + acc.count, part);
+    std::fill(part + acc.count, part + p.k, uint64_t{0});
+    part[p.k] = pack_lse(accumulator_of(acc));
+  }
+}
+
+void tree_topk_merge_parts(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
+  std::vector<uint64_t> all;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    LseAccumulator total{-kInf, 0.f};
+    all.clear();
+    for (int64_t j = 0; j < p.parts; ++j) {
+      const uint64_t* part = p.part_keys + part_offset(p, row, j);
+      all.insert(all.end(), part, part + p.k);
+      total = lse_merge(total, unpack_lse(part[p.k]));
+    }
+    write_row(all.data(), static_cast<int64_t>(all.size()), p.k, lse_value(total),
+              p.logprobs + row * p.k, p.ids + row * p.k);
+  }
+}
+
 int64_t tree_topk_parts(int64_t rows, int64_t vocab, int threads) {
   if (threads <= 1 || rows <= 0 || rows >= 8 * int64_t{threads}) return 1;
   int64_t parts = threads / std::gcd(rows, int64_t{threads});

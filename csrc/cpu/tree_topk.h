@@ -31,6 +31,11 @@ void tree_topk_partial(const TreeTopkParams& p, int64_t parts, int64_t item_begi
 void tree_topk_merge(const TreeTopkParams& p, int64_t parts, int64_t row_begin, int64_t row_end,
                      const TopkPartial* partial, uint64_t* keys);
 
+// tree_topk_shard: rows [row_begin, row_end) of a vocabulary shard -> their parts (p.part_keys,
+// parts = 1). tree_topk_merge: rows [row_begin, row_end) of the shards' parts -> logprobs / ids.
+void tree_topk_shard_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end);
+void tree_topk_merge_parts(const TreeTopkParams& p, int64_t row_begin, int64_t row_end);
+
 // chain_tree: items [item_begin, item_end) of B * L * parts fill the workspace (p.best, p.nan);
 // then requests [b_begin, b_end) get their chain written from it.
 void chain_tree_scan(const ChainTreeParams& p, int64_t item_begin, int64_t item_end);

@@ -25,7 +25,7 @@
   int launch_verify_greedy(const ::ddtree::VerifyGreedyParams& p, void* stream);      \
   int launch_commit_kv(const ::ddtree::CommitKvParams& p, void* stream);              \
   int launch_tree_topk(const ::ddtree::TreeTopkParams& p, void* stream);              \
-  int64_t tree_topk_max_parts(int64_t k);                                             \
+  int launch_tree_topk_merge(const ::ddtree::TreeTopkParams& p, void* stream);        \
   int launch_chain_tree(const ::ddtree::ChainTreeParams& p, void* stream);            \
   int launch_verify_sample(const ::ddtree::VerifySampleParams& p, void* stream);      \
   int launch_tree_conv(const ::ddtree::TreeConvParams& p, void* stream);              \

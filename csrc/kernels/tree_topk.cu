@@ -63,8 +63,9 @@ __device__ LseAccumulator block_lse(LseAccumulator a, LseAccumulator* partial) {
   return total;
 }
 
-// One block per (row, part) item: with parts == 1 a whole row, written to the outputs; else one
-// vocabulary range, whose best k keys and (max, sum) go to the workspace for the merge kernel.
+// One block per (row, part) item: a whole row (parts == 1) or one vocabulary range of it. Without
+// part_keys the row's top-k goes to the outputs; with them, the item's best k keys and packed
+// (max, sum) go there (the merge kernel's input, or tree_topk_shard's output).
 __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkParams p, int cap) {
   DDTREE_DYNAMIC_SMEM(uint64_t, buf);  // [cap] candidate keys
   __shared__ int count;
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
         if (v >= end) break;
         const float x = load_logit(p, row, v);
         lse_add(acc, x);
-        const uint64_t key = topk_key(x, v);
+        const uint64_t key = topk_key(x, v + p.id_offset);
         if (!have || key > bar) buf[atomicAdd(&count, 1)] = key;
       }
       __syncthreads();
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
     }
     const LseAccumulator total = block_lse(acc, partial);
     const int n = sort_candidates(buf, count);
-    if (p.parts == 1) {
+    if (p.part_keys == nullptr) {
       const float lse = lse_value(total);
       for (int j = threadIdx.x; j < k; j += blockDim.x) {
         const uint64_t key = buf[j];
@@ -115,29 +116,38 @@ __global__ void __launch_bounds__(kTopkThreads) tree_topk_kernel(const TreeTopkP
         p.logprobs[row * k + j] = topk_key_value(key) - lse;
       }
     } else {
-      for (int j = threadIdx.x; j < k; j += blockDim.x) p.part_keys[item * k + j] = j < n ? buf[j] : 0;
-      if (threadIdx.x == 0) {
-        p.part_max[item] = total.m;
-        p.part_sum[item] = total.s;
-      }
+      uint64_t* part = p.part_keys + part_offset(p, row, item % p.parts);
+      for (int j = threadIdx.x; j < k; j += blockDim.x) part[j] = j < n ? buf[j] : 0;
+      if (threadIdx.x == 0) part[k] = pack_lse(total);
     }
     __syncthreads();
   }
 }
 
-// Merge of a split row: one block per row sorts its parts' k-best lists (parts * k <= cap keys)
-// and merges their (max, sum) into the log-sum-exp.
-__global__ void __launch_bounds__(kTopkThreads) tree_topk_merge_kernel(const TreeTopkParams p) {
+// Merge of parts: one block per row. The parts' k-best lists pass through the buffer (cap keys)
+// a few parts at a time behind the best k so far; their (max, sum) pairs merge into the
+// log-sum-exp. cap >= 2k, so at least one part fits per round.
+__global__ void __launch_bounds__(kTopkThreads) tree_topk_merge_kernel(const TreeTopkParams p,
+                                                                       int cap) {
   DDTREE_DYNAMIC_SMEM(uint64_t, buf);
   const int k = static_cast<int>(p.k);
-  const int count = static_cast<int>(p.parts) * k;
+  const int64_t per_round = (cap - k) / k;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    for (int i = threadIdx.x; i < count; i += blockDim.x) buf[i] = p.part_keys[row * count + i];
-    __syncthreads();
-    sort_candidates(buf, count);
+    int held = 0;
+    for (int64_t j0 = 0; j0 < p.parts; j0 += per_round) {
+      const int64_t j1 = j0 + per_round < p.parts ? j0 + per_round : p.parts;
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint64_t* part = p.part_keys + part_offset(p, row, j);
+        for (int i = threadIdx.x; i < k; i += blockDim.x) buf[held + (j - j0) * k + i] = part[i];
+      }
+      __syncthreads();
+      sort_candidates(buf, held + static_cast<int>(j1 - j0) * k);
+      held = k;
+    }
     LseAccumulator total{-__builtin_inff(), 0.f};
-    for (int64_t j = 0; j < p.parts; ++j)
-      total = lse_merge(total, LseAccumulator{p.part_max[row * p.parts + j], p.part_sum[row * p.parts + j]});
+    for (int64_t j = 0; j < p.parts; ++j) {
+      total = lse_merge(total, unpack_lse(p.part_keys[part_offset(p, row, j) + k]));
+    }
     const float lse = lse_value(total);
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
       const uint64_t key = buf[j];
@@ -210,8 +220,17 @@ int launch_chain_tree(const ChainTreeParams& p, void* stream) {
                        stream, p);
 }
 
-int64_t tree_topk_max_parts(int64_t k) { return k > 0 ? topk_capacity(k) / k : 1; }
+int launch_tree_topk_merge(const TreeTopkParams& p, void* stream) {
+  if (p.rows == 0 || p.k == 0) return 0;
+  const int64_t cap = topk_capacity(p.k);
+  const unsigned rows = static_cast<unsigned>(p.rows < (1 << 30) ? p.rows : (1 << 30));
+  return launch_kernel(tree_topk_merge_kernel, dim3(rows), dim3(kTopkThreads),
+                       static_cast<size_t>(cap) * sizeof(uint64_t), stream, p,
+                       static_cast<int>(cap));
+}
 
+// The top-k pass (one block per (row, part) item); with parts > 1 for tree_topk (part_row_stride =
+// parts), the merge launch after it.
 int launch_tree_topk(const TreeTopkParams& p, void* stream) {
   if (p.rows == 0 || p.k == 0) return 0;
   const int64_t cap = topk_capacity(p.k);
@@ -221,8 +240,7 @@ int launch_tree_topk(const TreeTopkParams& p, void* stream) {
   const int e = launch_kernel(tree_topk_kernel, dim3(grid), dim3(kTopkThreads), smem, stream, p,
                               static_cast<int>(cap));
   if (e != 0 || p.parts == 1) return e;
-  const unsigned rows = static_cast<unsigned>(p.rows < (1 << 30) ? p.rows : (1 << 30));
-  return launch_kernel(tree_topk_merge_kernel, dim3(rows), dim3(kTopkThreads), smem, stream, p);
+  return launch_tree_topk_merge(p, stream);
 }
 
 }  // namespace DDTREE_KERNEL_NS

@@ -53,12 +53,6 @@ Tensor kernel_logits(const Tensor& logits, LogitsDtype& dtype) {
   return logits.contiguous();
 }
 
-#ifdef DDTREE_WITH_CUDA
-int64_t gpu_topk_max_parts(int64_t k) { return gpu::tree_topk_max_parts(k); }
-#else
-int64_t gpu_topk_max_parts(int64_t) { return 1; }
-#endif
-
 template <Backend kBackend>
 std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
   constexpr const char* op = "tree_topk";
@@ -94,21 +88,84 @@ std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
       return {logprobs, ids};
     }
   }
-  Tensor part_keys, part_lse;
+  Tensor part_keys;
   if constexpr (kBackend != Backend::kCpu) {
     // Few rows (batch 1): several blocks per row, then a merge launch.
-    const int64_t max_parts = kBackend == Backend::kEmulated ? emulated::tree_topk_max_parts(k)
-                                                              : gpu_topk_max_parts(k);
-    p.parts = std::min(split_parts(kBackend, logits, p.rows, V), max_parts);
+    p.parts = split_parts(kBackend, logits, p.rows, V);
     if (p.parts > 1) {
-      part_keys = at::empty({p.rows * p.parts, k}, opts.dtype(at::kLong));
-      part_lse = at::empty({2, p.rows * p.parts}, opts.dtype(at::kFloat));
+      part_keys = at::empty({p.rows * p.parts * (k + 1)}, opts.dtype(at::kLong));
       p.part_keys = reinterpret_cast<uint64_t*>(part_keys.data_ptr<int64_t>());
-      p.part_max = part_lse[0].data_ptr<float>();
-      p.part_sum = part_lse[1].data_ptr<float>();
+      p.part_row_stride = p.parts;
     }
   }
   run_op<kBackend>(op, kTopkKernels, p, logits, p.rows, 1);
+  return {logprobs, ids};
+}
+
+constexpr OpKernels<TreeTopkParams> kShardKernels{
+    &cpu::tree_topk_shard_rows, &emulated::launch_tree_topk, DDTREE_GPU_LAUNCHER(launch_tree_topk)};
+constexpr OpKernels<TreeTopkParams> kMergeKernels{&cpu::tree_topk_merge_parts,
+                                                  &emulated::launch_tree_topk_merge,
+                                                  DDTREE_GPU_LAUNCHER(launch_tree_topk_merge)};
+
+// One vocabulary shard's part of tree_topk: logits [B, L, V_shard] = columns [vocab_offset,
+// vocab_offset + V_shard) of a vocabulary of vocab_size tokens. Returns parts int64 [B, L, k + 1]:
+// the shard's k best keys (topk_key with global ids, descending, 0-padded) and its packed
+// log-sum-exp accumulator (pack_lse).
+template <Backend kBackend>
+Tensor tree_topk_shard(const Tensor& logits, int64_t k, int64_t vocab_offset, int64_t vocab_size) {
+  constexpr const char* op = "tree_topk_shard";
+  check_logits(op, logits);
+  const int64_t B = logits.size(0), L = logits.size(1), V = logits.size(2);
+  TORCH_CHECK(vocab_size >= 1 && vocab_size < (int64_t{1} << 31), op,
+              ": vocab_size must be in [1, 2^31), got ", vocab_size);
+  TORCH_CHECK(vocab_offset >= 0 && vocab_offset + V <= vocab_size, op, ": the shard's columns [",
+              vocab_offset, ", ", vocab_offset + V, ") (vocab_offset + logits.size(2)) must lie in "
+              "the vocabulary [0, vocab_size = ", vocab_size, ")");
+  TORCH_CHECK(k >= 1 && k <= kMaxK && k <= vocab_size, op, ": k must be in [1, min(", kMaxK,
+              ", vocab_size = ", vocab_size, ")], got ", k);
+  Tensor parts = at::empty({B, L, k + 1}, logits.options().dtype(at::kLong));
+  if (B * L == 0) return parts;
+  TreeTopkParams p;
+  p.rows = B * L;
+  p.vocab = V;
+  p.k = k;
+  p.id_offset = vocab_offset;
+  p.part_keys = reinterpret_cast<uint64_t*>(parts.data_ptr<int64_t>());
+  const Tensor source = kernel_logits<kBackend>(logits, p.dtype);
+  p.logits = source.data_ptr();
+  run_op<kBackend>(op, kShardKernels, p, logits, p.rows, 1);
+  return parts;
+}
+
+// The shards' parts [S, B, L, k + 1] (tree_topk_shard of each shard, stacked: an all-gather) ->
+// tree_topk over the whole vocabulary: (logprobs f32 [B, L, k], ids i64 [B, L, k]). Needs
+// k <= the vocabulary (as tree_topk_shard checks).
+template <Backend kBackend>
+std::tuple<Tensor, Tensor> tree_topk_merge(const Tensor& parts) {
+  constexpr const char* op = "tree_topk_merge";
+  TORCH_CHECK(parts.dim() == 4 && parts.scalar_type() == at::kLong, op,
+              ": parts must be an int64 tensor [S, B, L, k + 1] (tree_topk_shard outputs stacked), "
+              "got ", parts.scalar_type(), " of shape ", parts.sizes());
+  const int64_t S = parts.size(0), B = parts.size(1), L = parts.size(2), k = parts.size(3) - 1;
+  TORCH_CHECK(S >= 1 && k >= 1 && k <= kMaxK, op, ": parts needs S >= 1 shards and k in [1, ",
+              kMaxK, "] (last dimension k + 1), got shape ", parts.sizes());
+  const auto opts = parts.options();
+  Tensor logprobs = at::empty({B, L, k}, opts.dtype(at::kFloat));
+  Tensor ids = at::empty({B, L, k}, opts.dtype(at::kLong));
+  if (B * L == 0) return {logprobs, ids};
+  const Tensor source = parts.contiguous();
+  TreeTopkParams p;
+  p.rows = B * L;
+  p.k = k;
+  p.parts = S;
+  p.part_row_stride = 1;
+  p.part_stride = p.rows;
+  // The merge only reads the parts.
+  p.part_keys = reinterpret_cast<uint64_t*>(const_cast<int64_t*>(source.data_ptr<int64_t>()));
+  p.logprobs = logprobs.data_ptr<float>();
+  p.ids = ids.data_ptr<int64_t>();
+  run_op<kBackend>(op, kMergeKernels, p, parts, p.rows, 1);
   return {logprobs, ids};
 }
 
@@ -156,6 +213,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chain_tree(const Tens
 template <Backend kBackend>
 void register_impls(torch::Library& m) {
   m.impl("tree_topk", &tree_topk<kBackend>);
+  m.impl("tree_topk_shard", &tree_topk_shard<kBackend>);
+  m.impl("tree_topk_merge", &tree_topk_merge<kBackend>);
   m.impl("chain_tree", &chain_tree<kBackend>);
 }
 

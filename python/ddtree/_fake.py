@@ -25,6 +25,19 @@ def _register(namespace: str) -> None:
             logits.new_empty((b, l, k), dtype=torch.int64),
         )
 
+    @torch.library.register_fake(f"{namespace}::tree_topk_shard")
+    def _tree_topk_shard(logits, k, vocab_offset, vocab_size):
+        b, l, _ = logits.shape
+        return logits.new_empty((b, l, k + 1), dtype=torch.int64)
+
+    @torch.library.register_fake(f"{namespace}::tree_topk_merge")
+    def _tree_topk_merge(parts):
+        _, b, l, k1 = parts.shape
+        return (
+            parts.new_empty((b, l, k1 - 1), dtype=torch.float32),
+            parts.new_empty((b, l, k1 - 1), dtype=torch.int64),
+        )
+
     @torch.library.register_fake(f"{namespace}::chain_tree")
     def _chain_tree(logits, root_tokens):
         b, l, _ = logits.shape

@@ -154,6 +154,21 @@ def tree_topk(logits: torch.Tensor, k: int):
     return torch.ops.ddtree.tree_topk(logits, int(k))
 
 
+def tree_topk_shard(logits: torch.Tensor, k: int, vocab_offset: int, vocab_size: int) -> torch.Tensor:
+    """One vocabulary shard's part of tree_topk: logits [B, L, V_shard] are columns
+    [vocab_offset, vocab_offset + V_shard) of a vocabulary of vocab_size tokens. Returns parts
+    int64 [B, L, k + 1]: the shard's k best candidates as selection keys (logit order, then lower
+    global id; descending, 0-padded) and one word packing the shard's log-sum-exp accumulator
+    (max, sum of exp(x - max)). Stack the shards' parts (an all-gather) for tree_topk_merge."""
+    return torch.ops.ddtree.tree_topk_shard(logits, int(k), int(vocab_offset), int(vocab_size))
+
+
+def tree_topk_merge(parts: torch.Tensor):
+    """The shards' parts stacked [S, B, L, k + 1] -> tree_topk over the whole vocabulary:
+    (logprobs float32 [B, L, k], ids int64 [B, L, k]), global ids, ties to the lower id."""
+    return torch.ops.ddtree.tree_topk_merge(parts)
+
+
 def draft_to_tree(
     draft_logits: torch.Tensor,
     root_tokens: torch.Tensor,

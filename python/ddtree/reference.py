@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import struct
 from typing import Tuple, Union
 
 import torch
@@ -182,6 +183,99 @@ def tree_topk(logits, k: int):
                                                stable=True).indices)
     ids = order[..., :k]
     return torch.gather(logprobs, -1, ids), ids
+
+
+# ---- tree_topk over a vocabulary split into shards (tensor-parallel LM heads) ----
+# A shard's "part": its k best candidates as 64-bit selection keys (a larger key is a better
+# candidate: higher logit, then lower global token id; NaN below every number) and its log-sum-exp
+# accumulator (m = max of its non-NaN logits, s = sum of exp(x - m); s is NaN after a NaN, 1 when
+# m = +inf, 0 when nothing is finite), packed as the float32 bits of m (high word) and s (low).
+# Merging the parts = the k best keys of all shards, logprob = logit - lse of the merged
+# accumulators: tree_topk of the whole vocabulary.
+
+def _float_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _float_order_key(v: float) -> int:
+    """Order-preserving 32-bit key of a float32 (-0 as +0); NaN -> 0, below every number."""
+    if math.isnan(v):
+        return 0
+    u = _float_bits(v)
+    u = 0 if u == 0x80000000 else u
+    return (~u & 0xFFFFFFFF) if u & 0x80000000 else (u | 0x80000000)
+
+
+def _from_order_key(key: int) -> float:
+    if key == 0:
+        return math.nan
+    u = (key ^ 0x80000000) if key & 0x80000000 else (~key & 0xFFFFFFFF)
+    return struct.unpack("<f", struct.pack("<I", u))[0]
+
+
+def _as_int64(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def topk_key(value: float, token_id: int) -> int:
+    """The selection key as the int64 the ops store (unsigned order)."""
+    return _as_int64((_float_order_key(value) << 32) | (0xFFFFFFFF - token_id))
+
+
+def tree_topk_shard(logits, k: int, vocab_offset: int, vocab_size: int):
+    """int64 [B, L, k + 1]: per row the shard's k best keys (global ids, descending, 0-padded)
+    and its packed accumulator."""
+    x = logits.float()
+    B, L, V = x.shape
+    assert 0 <= vocab_offset and vocab_offset + V <= vocab_size and 1 <= k <= vocab_size
+    out = torch.zeros(B, L, k + 1, dtype=torch.long)
+    ids = tree_topk(x, min(k, V))[1] if V else torch.zeros(B, L, 0, dtype=torch.long)
+    for b in range(B):
+        for r in range(L):
+            row = x[b, r]
+            keys = [topk_key(float(row[i]), i + vocab_offset) for i in ids[b, r].tolist()]
+            out[b, r, :len(keys)] = torch.tensor(keys, dtype=torch.long)
+            real = row[~torch.isnan(row)]
+            m = float(real.max()) if real.numel() else -math.inf
+            if bool(torch.isnan(row).any()):
+                s = math.nan
+            elif m == math.inf:
+                s = 1.0
+            elif m == -math.inf:
+                s = 0.0
+            else:
+                s = float(torch.exp(row.double() - m).sum())
+            out[b, r, k] = _as_int64((_float_bits(m) << 32) | _float_bits(s))
+    return out
+
+
+def tree_topk_merge(parts):
+    """Parts of every shard [S, B, L, k + 1] -> (logprobs float32 [B, L, k], ids [B, L, k])."""
+    S, B, L, k1 = parts.shape
+    k = k1 - 1
+    logprobs = torch.zeros(B, L, k)
+    ids = torch.zeros(B, L, k, dtype=torch.long)
+    for b in range(B):
+        for r in range(L):
+            keys = sorted((int(key) & 0xFFFFFFFFFFFFFFFF for key in parts[:, b, r, :k].reshape(-1)),
+                          reverse=True)[:k]
+            acc = []
+            for j in range(S):
+                word = int(parts[j, b, r, k]) & 0xFFFFFFFFFFFFFFFF
+                acc.append((struct.unpack("<f", struct.pack("<I", word >> 32))[0],
+                            struct.unpack("<f", struct.pack("<I", word & 0xFFFFFFFF))[0]))
+            top = max(m for m, _ in acc)
+            if any(math.isnan(s) for _, s in acc):
+                lse = math.nan
+            elif top in (math.inf, -math.inf):
+                lse = top
+            else:
+                lse = top + math.log(sum(s * math.exp(m - top) for m, s in acc))
+            for j, key in enumerate(keys):
+                ids[b, r, j] = 0xFFFFFFFF - (key & 0xFFFFFFFF)
+                logprobs[b, r, j] = (torch.tensor(_from_order_key(key >> 32), dtype=torch.float32)
+                                     - torch.tensor(lse, dtype=torch.float32))
+    return logprobs, ids
 
 
 def chain_tree(logits, root_tokens):
