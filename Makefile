@@ -31,10 +31,10 @@ test: build
 # off (CPython and torch keep allocations until exit), every other report fails the run.
 # test-tsan: the emulator's race detector (ThreadSanitizer with every emulated thread a fiber,
 # see csrc/simt/emulator.cpp) over the emulated kernels, one OS thread; a data race fails the run.
-ASAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py \
+ASAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py tests/test_sharded_topk.py \
 	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
 	tests/test_draft_attention.py tests/test_simt_emulator.py tests/test_fuzz.py
-TSAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py \
+TSAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py tests/test_sharded_topk.py \
 	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
 	tests/test_draft_attention.py tests/test_simt_emulator.py
 define sanitized_build

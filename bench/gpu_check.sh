@@ -13,14 +13,14 @@ CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CAP}
 export CMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES:-${CAP/./}}
 status=0
-if ! "$PY" -c "import transformers, hypothesis, safetensors, pytest" 2>/dev/null ||
+if ! "$PY" -c "import transformers, accelerate, hypothesis, safetensors, pytest" 2>/dev/null ||
    ! command -v ninja > /dev/null; then
   if [ -d wheelhouse ]; then  # made by bench/make_wheelhouse.sh, carried to the device
-    "$PY" -m pip install -q --no-index --find-links wheelhouse "transformers==5.18.0" hypothesis \
-      safetensors pytest tqdm ninja > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; status=1; }
+    "$PY" -m pip install -q --no-index --find-links wheelhouse "transformers==5.18.0" \
+      "accelerate==1.15.0" hypothesis safetensors pytest tqdm ninja > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; status=1; }
     export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
   else
-    echo "gpu_check: transformers / hypothesis / safetensors / pytest / ninja missing, no wheelhouse/"
+    echo "gpu_check: transformers / accelerate / hypothesis / safetensors / pytest / ninja missing, no wheelhouse/"
   fi
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"

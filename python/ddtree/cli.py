@@ -4,6 +4,8 @@
                   [--budget 64] [--max-new-tokens 128] [--temperature 0] [--top-k 0] [--top-p 1]
   ddtree bench --target DIR --draft DIR --prompts FILE [--budget 64] [--plot out.png] [--json F]
   ddtree train-drafter --target DIR --out DIR [--corpus PATH] [--labels greedy|data] [--steps N]
+  torchrun --nproc-per-node N -m ddtree.cli generate ...   (tensor-parallel target, every rank
+                                                            decodes, rank 0 prints)
 
 Local directories in Hugging Face format; nothing is downloaded. `--target embedded` /
 `--draft embedded` name the embedded pair shipped with the package (ddtree.embedded).
@@ -27,13 +29,18 @@ def _load(args):
 
     from .models import DFlashDrafter
 
-    from . import embedded
+    from . import distributed, embedded
 
     dtype = DTYPES[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target_path = str(embedded.target_dir()) if args.target == "embedded" else args.target
     draft_path = str(embedded.drafter_dir()) if args.draft == "embedded" else args.draft
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+    if args.tensor_parallel or distributed.is_torchrun():
+        # Every rank loads its shard (the device follows LOCAL_RANK); the drafter is replicated.
+        target = distributed.load_tensor_parallel(target_path, dtype)
+        device = target.get_input_embeddings().weight.device
+    else:
+        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     drafter = DFlashDrafter.from_pretrained(draft_path, dtype=dtype).to(device) if draft_path else None
     if args.tree_attention or args.cuda_graph:
@@ -58,21 +65,24 @@ def _stop_ids(tokenizer) -> List[int]:
 def cmd_generate(args) -> int:
     from .generate import generate
 
+    from .distributed import is_main_rank
+
     target, tokenizer, drafter, device = _load(args)
     ids = _encode(tokenizer, args.prompt, device)
-    printed = []
+    main_rank = is_main_rank()  # under torchrun every rank decodes the same tokens; rank 0 prints
 
     def stream(new):
-        printed.extend(new)
-        sys.stdout.write(tokenizer.decode(new))
-        sys.stdout.flush()
+        if main_rank:
+            sys.stdout.write(tokenizer.decode(new))
+            sys.stdout.flush()
 
     result = generate(target, drafter, ids, args.max_new_tokens, mode=args.mode, budget=args.budget,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       stop_token_ids=_stop_ids(tokenizer), seed=args.seed, streamer=stream,
                       cuda_graph=args.cuda_graph)
-    print(f"\n[ddtree] mode={args.mode} tokens={len(result.tokens)} tau={result.tau:.2f} "
-          f"tokens/s={result.tokens_per_second:.1f}")
+    if main_rank:
+        print(f"\n[ddtree] mode={args.mode} tokens={len(result.tokens)} tau={result.tau:.2f} "
+              f"tokens/s={result.tokens_per_second:.1f}")
     return 0
 
 
@@ -115,6 +125,10 @@ def cmd_bench(args) -> int:
         rows.append(dict(mode=mode, batch_size=args.batch_size, tokens=int(tokens), seconds=seconds,
                          tokens_per_second=tokens / seconds, tau=sum(rounds) / max(1, len(rounds))))
     base = rows[0]["tokens_per_second"]
+    from .distributed import is_main_rank
+
+    if not is_main_rank():  # under torchrun: rank 0 reports
+        return 0
     print(f"{'mode':<15} {'tau':>6} {'tokens/s':>10} {'speed-up':>9}")
     for r in rows:
         r["speedup"] = r["tokens_per_second"] / base
@@ -158,6 +172,9 @@ def main(argv=None) -> int:
                        help="verify with the tree_attention op (transformers attention 'ddtree')")
         p.add_argument("--cuda-graph", action="store_true",
                        help="capture the verify step as a CUDA graph (CUDA; implies --tree-attention)")
+        p.add_argument("--tensor-parallel", action="store_true",
+                       help="shard the target over the ranks of this torchrun job (tp_plan 'auto'); "
+                            "the default under torchrun with more than one process")
         if name == "generate":
             p.add_argument("--prompt", required=True)
             p.add_argument("--mode", choices=("tree", "chain", "autoregressive"), default="tree")
@@ -176,7 +193,11 @@ def main(argv=None) -> int:
         parser.error("--draft is required unless --mode autoregressive")
     if args.command == "train-drafter":
         return args.func(args)
-    return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+    try:
+        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

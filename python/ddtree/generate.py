@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol
 
 import torch
 
-from . import hybrid, ops, validation
+from . import distributed, hybrid, ops, validation
 from .verify import TargetVerifier
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -35,7 +35,9 @@ class DraftState(Protocol):
     """A drafter's state across the rounds of one generation."""
 
     def step(self, bonus: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B, L, V] of the blocks starting with bonus [B] (device, no host reads)."""
+        """Draft logits [B, L, V] of the blocks starting with bonus [B] (device, no host reads);
+        with a tensor-parallel target whose LM head is vocabulary-sharded, either those or this
+        rank's columns [B, L, V_local] (ddtree.distributed.vocab_shard)."""
 
     def commit(self, hidden_states, verdict: ops.GreedyVerdict) -> None:
         """Takes the round's verdict (accepted rows of the target's hidden states) into account."""
@@ -334,22 +336,31 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     draft = _NoDrafter() if mode == "autoregressive" else \
         drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
     budget_t = torch.tensor(budgets, device=device)
+    # Tensor-parallel target (ddtree.distributed): the draft top-k over the sharded LM head.
+    shard = distributed.vocab_shard(target) if mode != "autoregressive" else None
+    check_ranks = distributed.rank_check(target)
     clock = _StageClock(device)
     with validation(False), verifier.hybrid_layers():
         while not requests.all_finished():
             clock.mark(new_round=True)
             draft_logits = draft.step(bonus)
             clock.mark()
+            local = shard if shard is not None and draft_logits.shape[-1] == shard.local_size \
+                else None
             if mode == "tree":
-                tree, vis = ops.draft_to_tree(draft_logits, bonus, n - 1, valid, budget_t)
+                tree, vis = ops.draft_to_tree(draft_logits, bonus, n - 1, valid, budget_t,
+                                              vocab_shard=local)
             elif mode == "chain":  # the argmax chain, without the log-softmax / top-k machinery
-                tree, vis = ops.chain_to_tree(draft_logits, bonus, valid)
+                tree, vis = ops.chain_to_tree(draft_logits, bonus, valid, vocab_shard=local)
             else:
                 tree, vis = root_tree(bonus, valid)
             clock.mark()
             logits, hidden_states = verifier.step(tree, vis, valid)
             verdict = sampler.verify(tree, logits)
             verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
+            if check_ranks is not None:
+                check_ranks(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
+                            accept_len=verdict.accept_len, bonus=verdict.bonus)
             clock.mark()
             verifier.commit(verdict)
             draft.commit(hidden_states, verdict)

@@ -176,13 +176,17 @@ def draft_to_tree(
     start: Union[int, torch.Tensor] = 0,
     budgets: Optional[torch.Tensor] = None,
     k: Optional[int] = None,
+    vocab_shard=None,
 ):
     """Draft logits [B, L, V] -> (DraftTree, TreeVisibility): tree_topk -> build_tree ->
     tree_visibility, three launches. K defaults to min(budget, V, 1024), which is sufficient
-    for the optimal tree (SPEC §3)."""
-    vocab = draft_logits.shape[-1]
+    for the optimal tree (SPEC §3). With vocab_shard (ddtree.distributed.VocabShard), the logits
+    are this rank's vocabulary columns [B, L, V_local] and the top-k is the sharded one (the same
+    result on every rank)."""
+    vocab = draft_logits.shape[-1] if vocab_shard is None else vocab_shard.vocab_size
     k = min(int(budget), vocab, 1024) if k is None else int(k)
-    logprobs, ids = tree_topk(draft_logits, k)
+    topk = tree_topk if vocab_shard is None else vocab_shard.tree_topk
+    logprobs, ids = topk(draft_logits, k)
     tree = build_tree(logprobs, ids, root_tokens, budget, budgets)
     return tree, tree_visibility(tree.parents, tree.num_nodes, start)
 
@@ -197,9 +201,14 @@ def chain_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor) -> DraftTr
 
 
 def chain_to_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor,
-                  start: Union[int, torch.Tensor] = 0):
-    """The chain-mode counterpart of draft_to_tree: (chain_tree, tree_visibility), two launches."""
-    tree = chain_tree(draft_logits, root_tokens)
+                  start: Union[int, torch.Tensor] = 0, vocab_shard=None):
+    """The chain-mode counterpart of draft_to_tree: (chain_tree, tree_visibility), two launches.
+    With vocab_shard: build_tree over the sharded top-1 (chain_tree's definition)."""
+    if vocab_shard is None:
+        tree = chain_tree(draft_logits, root_tokens)
+    else:
+        tree = build_tree(*vocab_shard.tree_topk(draft_logits, 1), root_tokens,
+                          draft_logits.shape[1])
     return tree, tree_visibility(tree.parents, tree.num_nodes, start)
 
 

@@ -319,11 +319,13 @@ class DFlashDrafter(nn.Module):
                                                                  attn.head_dim))
 
     def draft_block(self, target, bonus: torch.Tensor, ctx_in: torch.Tensor, rows: ContextRows,
-                    cache: DraftCache) -> torch.Tensor:
+                    cache: DraftCache, vocab_shard=None) -> torch.Tensor:
         """The device part of a drafter step (no host reads, fixed shapes): ctx_in [B, C, n*H]
         padded new feature rows, rows.cached_t / rows.new_t [B] context lengths and valid new
         rows, the cache at least max(cached) + C rows long. Writes the new rows into the cache;
-        returns the logits [B, block_size - 1, V]. Graph-capturable on static buffers."""
+        returns the logits [B, block_size - 1, V] — with vocab_shard (a tensor-parallel target,
+        ddtree.distributed) only this rank's columns [B, block_size - 1, V_local].
+        Graph-capturable on static buffers."""
         b, device = bonus.shape[0], bonus.device
         ctx = self.hidden_norm(self.fc(ctx_in.to(self.fc.weight.dtype)))
         c = ctx.shape[1]
@@ -338,6 +340,8 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], rows, cache.fused)
         hidden = self.norm(x[:, 1:])
+        if vocab_shard is not None:
+            return vocab_shard.logits(hidden)
         return target.get_output_embeddings()(hidden.to(target.get_output_embeddings().weight.dtype))
 
 
@@ -350,7 +354,10 @@ class DFlashDraftState:
 
     def __init__(self, drafter: DFlashDrafter, target, prompt_hidden_states, capacity: int,
                  cuda_graph: bool):
+        from ..distributed import vocab_shard
+
         self.drafter, self.target, self.capacity = drafter, target, capacity
+        self.vocab_shard = vocab_shard(target)  # tensor-parallel target: logits of local columns
         feats = [drafter.target_features(h)[0] for h in prompt_hidden_states]  # [P_b, n*H]
         batch, device = len(feats), drafter.fc.weight.device
         self.cache = drafter.new_cache(batch, capacity)
@@ -364,14 +371,16 @@ class DFlashDraftState:
         self.logits = None
 
     def _step(self):
-        return self.drafter.draft_block(self.target, self.bonus, self.feats, self.rows, self.cache)
+        return self.drafter.draft_block(self.target, self.bonus, self.feats, self.rows, self.cache,
+                                        self.vocab_shard)
 
     def step(self, bonus: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B, block_size - 1, V] of the blocks starting with `bonus` [B]."""
+        """Draft logits [B, block_size - 1, V] of the blocks starting with `bonus` [B] (this
+        rank's vocabulary columns when the target's LM head is sharded)."""
         self.bonus.copy_(bonus)
         if self.prompt is not None:
             logits = self.drafter.draft_block(self.target, self.bonus, self.prompt, self.rows,
-                                              self.cache)
+                                              self.cache, self.vocab_shard)
             self.prompt = None
         elif not self.use_graph:
             logits = self._step()
