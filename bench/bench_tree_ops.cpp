@@ -1,4 +1,4 @@
-// CPU microbenchmarks of tree_topk, chain_tree, build_tree, verify_greedy, verify_sample and commit_kv_
+// CPU microbenchmarks of tree_topk (whole and vocabulary-sharded), chain_tree, build_tree, verify_greedy, verify_sample and commit_kv_
 // (one thread: the functions the op adapters run under at::parallel_for). Each output is checked
 // before timing.
 #include <cstring>
@@ -45,6 +45,50 @@ int main() {
       const double us = median_us([&] { cpu::tree_topk_rows(p, 0, rows); }, 5);
       std::printf("%5lld %7lld | %10.1f %10.3f\n", static_cast<long long>(batch),
                   static_cast<long long>(vocab), us, 1e3 * us / (rows * vocab));
+    }
+  }
+
+  std::printf("\n== tree_topk_shard / tree_topk_merge (V = 151936 over S shards, L = 15, k = 64) ==\n"
+              "%3s %5s | %16s %14s\n", "S", "B", "shard (one rank)", "merge");
+  for (int64_t shards : {2, 8}) {
+    for (int64_t batch : {1, 16}) {
+      const int64_t rows = batch * 15, k = 64, vocab = 151936, size = (vocab + shards - 1) / shards;
+      std::vector<float> x = random_logits(rows, vocab, vocab + shards + batch);
+      std::vector<float> local(rows * size);
+      std::vector<int64_t> parts(shards * rows * (k + 1));
+      TreeTopkParams p;
+      p.rows = rows;
+      p.k = k;
+      double us_shard = 0;
+      for (int64_t j = 0; j < shards; ++j) {
+        const int64_t begin = j * size, width = std::min(vocab, begin + size) - begin;
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(&local[r * width], &x[r * vocab + begin], width * sizeof(float));
+        p.logits = local.data();
+        p.vocab = width;
+        p.id_offset = begin;
+        p.part_keys = reinterpret_cast<uint64_t*>(parts.data() + j * rows * (k + 1));
+        cpu::tree_topk_shard_rows(p, 0, rows);
+        if (j == 0) us_shard = median_us([&] { cpu::tree_topk_shard_rows(p, 0, rows); }, 5);
+      }
+      std::vector<float> lp(rows * k);
+      std::vector<int64_t> ids(rows * k);
+      TreeTopkParams m;
+      m.rows = rows;
+      m.k = k;
+      m.parts = shards;
+      m.part_stride = rows;
+      m.part_keys = reinterpret_cast<uint64_t*>(parts.data());
+      m.logprobs = lp.data();
+      m.ids = ids.data();
+      cpu::tree_topk_merge_parts(m, 0, rows);
+      for (int64_t r = 0; r < rows; r += 7)
+        if (reference_topk_ids(x.data() + r * vocab, vocab, k) !=
+            std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
+          return fail("tree_topk_shard + tree_topk_merge");
+      const double us_merge = median_us([&] { cpu::tree_topk_merge_parts(m, 0, rows); }, 11);
+      std::printf("%3lld %5lld | %13.1f us %11.1f us\n", static_cast<long long>(shards),
+                  static_cast<long long>(batch), us_shard, us_merge);
     }
   }
 

@@ -1,4 +1,4 @@
-// CUDA microbenchmarks of tree_topk (whole rows and split rows), chain_tree, build_tree, verify_greedy, verify_sample and commit_kv_:
+// CUDA microbenchmarks of tree_topk (whole rows, split rows, a vocabulary shard + the merge), chain_tree, build_tree, verify_greedy, verify_sample and commit_kv_:
 // each kernel's output is compared with the CPU implementation, then timed with CUDA events.
 #include <cuda_runtime.h>
 
@@ -50,27 +50,50 @@ int main() {
       const double us = time_us([&] { gpu::launch_tree_topk(p, nullptr); });
       // The split form the op uses for few rows: parts blocks per row + a merge launch.
       const int64_t parts = std::min<int64_t>(
-          {(2 * prop.multiProcessorCount + rows - 1) / rows, vocab / 4096, gpu::tree_topk_max_parts(k)});
+          {(2 * prop.multiProcessorCount + rows - 1) / rows, vocab / 4096, 64});
       double us_split = us;
       if (parts > 1) {
         TreeTopkParams q = p;
         q.parts = parts;
-        cudaMalloc(&q.part_keys, rows * parts * k * 8);
-        cudaMalloc(&q.part_max, rows * parts * 4);
-        cudaMalloc(&q.part_sum, rows * parts * 4);
+        q.part_row_stride = parts;
+        cudaMalloc(&q.part_keys, rows * parts * (k + 1) * 8);
         cudaMemset(dids, 0, rows * k * 8);
         if (gpu::launch_tree_topk(q, nullptr) != 0) return fail("tree_topk split launch");
         const std::vector<int64_t> split_ids = download(dids, rows * k);
         if (split_ids != ids) return fail("tree_topk split");
         us_split = time_us([&] { gpu::launch_tree_topk(q, nullptr); });
         cudaFree(q.part_keys);
-        cudaFree(q.part_max);
-        cudaFree(q.part_sum);
       }
-      std::printf("%5lld %7lld | %9.1f %9.0f | split %2lld: %7.1f us %6.0f GB/s\n",
+      // One rank's side of the vocabulary-sharded top-k (8 shards: a shard of V / 8 columns,
+      // its parts) and the merge of 8 parts, as tree_topk_shard / tree_topk_merge run them.
+      const int64_t shards = 8, width = (vocab + shards - 1) / shards;
+      TreeTopkParams sh = p;
+      sh.vocab = width;  // the first shard's columns: rows of the full logits read with stride
+      int64_t* dparts = nullptr;
+      cudaMalloc(&dparts, shards * rows * (k + 1) * 8);
+      std::vector<float> shard_x(rows * width);
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(x.begin() + r * vocab, x.begin() + r * vocab + width, shard_x.begin() + r * width);
+      float* dshard = upload(shard_x);
+      sh.logits = dshard;
+      sh.part_keys = reinterpret_cast<uint64_t*>(dparts);
+      if (gpu::launch_tree_topk(sh, nullptr) != 0) return fail("tree_topk_shard launch");
+      const double us_shard = time_us([&] { gpu::launch_tree_topk(sh, nullptr); });
+      for (int64_t j = 1; j < shards; ++j)  // every shard's parts = the first's (timing only)
+        cudaMemcpy(dparts + j * rows * (k + 1), dparts, rows * (k + 1) * 8, cudaMemcpyDeviceToDevice);
+      TreeTopkParams mg = p;
+      mg.parts = shards;
+      mg.part_stride = rows;
+      mg.part_keys = reinterpret_cast<uint64_t*>(dparts);
+      if (gpu::launch_tree_topk_merge(mg, nullptr) != 0) return fail("tree_topk_merge launch");
+      const double us_merge = time_us([&] { gpu::launch_tree_topk_merge(mg, nullptr); });
+      cudaFree(dparts);
+      cudaFree(dshard);
+      std::printf("%5lld %7lld | %9.1f %9.0f | split %2lld: %7.1f us %6.0f GB/s | 1/8 shard %6.1f us, "
+                  "merge of 8 %6.1f us\n",
                   static_cast<long long>(batch), static_cast<long long>(vocab), us,
                   rows * vocab * 4.0 / us / 1e3, static_cast<long long>(parts), us_split,
-                  rows * vocab * 4.0 / us_split / 1e3);
+                  rows * vocab * 4.0 / us_split / 1e3, us_shard, us_merge);
       // chain_tree on the same logits: the argmax chain without the log-softmax.
       ChainTreeParams c;
       c.logits = dx;
