@@ -412,13 +412,17 @@ void chain_tree_write(const ChainTreeParams& p, int64_t b_begin, int64_t b_end) 
   }
 }
 
-void tree_topk_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
+namespace {
+
+// topk_span over each whole row of [row_begin, row_end), then done(row, partial, its keys).
+template <class Done>
+void each_row_topk(const TreeTopkParams& p, int64_t row_begin, int64_t row_end, Done&& done) {
   std::vector<uint64_t> buf(scratch_size(p.k));
   std::vector<float> scratch;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const TopkPartial acc = topk_span(static_cast<const float*>(p.logits) + row * p.vocab, 0,
                                       p.vocab, p.k, buf.data(), scratch);
-    write_row(buf.data(), acc.count, p.k, lse_of(acc), p.logprobs + row * p.k, p.ids + row * p.k);
+    done(row, acc, buf.data());
   }
 }
 
@@ -430,20 +434,24 @@ LseAccumulator accumulator_of(const TopkPartial& a) {
   return LseAccumulator{a.max, static_cast<float>(a.sum)};
 }
 
+}  // namespace
+
+void tree_topk_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
+  each_row_topk(p, row_begin, row_end, [&](int64_t row, const TopkPartial& acc, uint64_t* keys) {
+    write_row(keys, acc.count, p.k, lse_of(acc), p.logprobs + row * p.k, p.ids + row * p.k);
+  });
+}
+
 void tree_topk_shard_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
-  std::vector<uint64_t> buf(scratch_size(p.k));
-  std::vector<float> scratch;
-  for (int64_t row = row_begin; row < row_end; ++row) {
-    const TopkPartial acc = topk_span(static_cast<const float*>(p.logits) + row * p.vocab, 0,
-                                      p.vocab, p.k, buf.data(), scratch);
+  each_row_topk(p, row_begin, row_end, [&](int64_t row, const TopkPartial& acc, uint64_t* keys) {
     // Local ids -> global: the key's low word is ~id, so id + offset is the key minus offset.
-    for (int64_t i = 0; i < acc.count; ++i) buf[i] -= static_cast<uint64_t>(p.id_offset);
-    std::sort(buf.begin(), buf.begin() + acc.count, std::greater<uint64_t>());
+    for (int64_t i = 0; i < acc.count; ++i) keys[i] -= static_cast<uint64_t>(p.id_offset);
+    std::sort(keys, keys + acc.count, std::greater<uint64_t>());
     uint64_t* part = p.part_keys + part_offset(p, row, 0);
-    std::copy(buf.begin(), buf.begin() + acc.count, part);
+    std::copy(keys, keys + acc.count, part);
     std::fill(part + acc.count, part + p.k, uint64_t{0});
     part[p.k] = pack_lse(accumulator_of(acc));
-  }
+  });
 }
 
 void tree_topk_merge_parts(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
