@@ -2,8 +2,8 @@
 transformers' tp_plan "auto" shards the target, the drafter is replicated, the draft top-k runs
 over the sharded LM head (tree_topk_shard + all-gather + tree_topk_merge), DDTREE_TP_CHECK=1
 compares every round's tree and verdict across the ranks. Lossless against the single-process
-target's greedy decoding; dense (tiny Qwen3) and hybrid (the embedded Qwen3.5-text pair) targets,
-tree and chain modes, a batch. The job runs once (tests/tp_worker.py); the tests judge its output."""
+target's greedy decoding; dense (tiny Qwen3) and hybrid (the embedded Qwen3.5-text pair, tiny
+random Qwen3.5 / Qwen3-Next) targets, tree and chain modes, a batch. The job runs once (tests/tp_worker.py); the tests judge its output."""
 import json
 import os
 import pathlib
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from test_generate import tiny_target
+from test_generate import tiny_hybrid, tiny_target
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORLD = 2
@@ -22,6 +22,8 @@ WORLD = 2
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     tiny_target(seed=3).save_pretrained(out / "dense")
+    for kind in ("qwen3_5", "qwen3_next"):
+        tiny_hybrid(kind=kind).save_pretrained(out / kind)
     env = dict(os.environ, DDTREE_TP_CHECK="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={WORLD}", str(HERE / "tp_worker.py"), str(out)]
@@ -52,9 +54,11 @@ def test_lossless_and_identical_on_every_rank(ranks, prefix):
 
 
 def test_hybrid_matches_transformers_greedy_and_accepts_deep_paths(ranks):
-    for name in cases(ranks, "hybrid"):
+    for name in cases(ranks, "hybrid-0") + cases(ranks, "hybrid-1"):
         assert ranks[0][name]["tokens"] == ranks[0][name]["hf_greedy"], name
     assert ranks[0]["hybrid-0-tree"]["tau"] > 1.5
+    for kind in ("qwen3_5", "qwen3_next"):
+        assert ranks[0][f"hybrid-{kind}-oracle-tree"]["tau"] > 2.5, kind
 
 
 def test_sharded_oracle_accepts_deep_paths(ranks):

@@ -4,7 +4,7 @@ speculative loop, and writes what it saw to OUT/rank{R}.json for the test to jud
 
   torchrun --standalone --nproc-per-node 2 tests/tp_worker.py OUT
 
-OUT/dense holds the tiny dense target saved by the test. References are the single-process
+OUT/dense, OUT/qwen3_5, OUT/qwen3_next hold the tiny targets saved by the test. References are the single-process
 targets' greedy decodings (the same weights loaded without tp_plan, in this process)."""
 import json
 import os
@@ -76,6 +76,17 @@ def main(out):
     results["dense-batch"] = dict(tokens=[r.tokens for r in batch], merges=merges[0],
                                   reference=[greedy_reference(full, torch.tensor([p]), 24)
                                              for p in prompts])
+
+    # Tiny random hybrids (Gated DeltaNet layers; Qwen3-Next with its fused projections and MoE
+    # MLPs) with the sharded oracle: deep acceptances, recurrent states committed along them.
+    for kind in ("qwen3_5", "qwen3_next"):
+        tp_kind = distributed.load_tensor_parallel(os.path.join(out, kind))
+        full_kind = AutoModelForCausalLM.from_pretrained(os.path.join(out, kind),
+                                                         dtype=torch.float32).eval()
+        want = greedy_reference(full_kind, torch.tensor([prompt]), 40)
+        for mode in ("tree", "chain"):
+            run(results, f"hybrid-{kind}-oracle-{mode}", tp_kind, ShardedOracle([want], [3], seed=2),
+                prompt, 40, want, mode=mode, budget=16)
 
     # Hybrid: the embedded pair (trained Qwen3.5-text target with Gated DeltaNet layers + its
     # DFlash drafter), tied embeddings sharded with the LM head.
