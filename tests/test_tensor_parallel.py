@@ -66,6 +66,17 @@ def test_sharded_oracle_accepts_deep_paths(ranks):
     assert ranks[0]["dense-oracle-chain"]["tau"] > 2.0
 
 
+def test_autoregressive_walks_the_sharded_argmax(ranks):
+    for r in ranks:
+        assert r["dense-autoregressive"]["tokens"] == r["dense-autoregressive"]["reference"]
+        assert r["dense-autoregressive"]["merges"] > 0  # verify's top-1 over the sharded LM head
+
+
+def test_sampling_is_the_same_on_every_rank(ranks):
+    assert ranks[0]["dense-sampled"]["tokens"] == ranks[1]["dense-sampled"]["tokens"]
+    assert len(ranks[0]["dense-sampled"]["tokens"]) == 24
+
+
 def test_batch_of_prompts(ranks):
     for r in ranks:
         assert r["dense-batch"]["tokens"] == r["dense-batch"]["reference"]

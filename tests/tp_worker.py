@@ -65,10 +65,16 @@ def main(out):
                             world=shard.world_size)
     prompt = [5, 17, 42]
     want = greedy_reference(full, torch.tensor([prompt]), 40)
+    run(results, "dense-autoregressive", tp, None, prompt, 40, want, mode="autoregressive")
     for mode in ("tree", "chain"):
         run(results, f"dense-{mode}", tp, tiny_drafter(), prompt, 40, want, mode=mode, budget=16)
         run(results, f"dense-oracle-{mode}", tp, ShardedOracle([want], [3], seed=1), prompt, 40,
             want, mode=mode, budget=16)
+    # Sampling (temperature > 0) walks the gathered logits: the same tokens on every rank.
+    merges[0] = 0
+    sampled = generate(tp, tiny_drafter(), torch.tensor([prompt]), 24, mode="tree", budget=8,
+                       temperature=0.8, top_p=0.9, seed=5)
+    results["dense-sampled"] = dict(tokens=sampled.tokens, merges=merges[0])
     # A batch of prompts of different lengths.
     prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]]
     merges[0] = 0

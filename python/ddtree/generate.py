@@ -116,8 +116,14 @@ class _Sampler:
         self.depth = depth
         self.offset = torch.zeros_like(seeds)
 
-    def verify(self, tree: ops.DraftTree, logits: torch.Tensor) -> ops.GreedyVerdict:
+    def verify(self, tree: ops.DraftTree, logits: torch.Tensor,
+               vocab_shard=None) -> ops.GreedyVerdict:
+        """vocab_shard: logits are this rank's vocabulary columns (greedy only): their sharded
+        top-1 (ties to the lower id, as argmax) is the target's token."""
         if self.temperature <= 0:
+            if vocab_shard is not None:
+                return ops.verify_greedy(tree, vocab_shard.tree_topk(logits, 1)[1][..., 0],
+                                         self.depth)
             return ops.verify_greedy(tree, logits.argmax(-1), self.depth)
         self.offset += 1
         return ops.verify_sample(tree, logits.float(), self.depth, self.temperature, self.top_k,
@@ -323,8 +329,12 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     longest = max(p.numel() for p in prompts)
     # A request's valid rows stay below longest + max_new_tokens + depth (a round overshoots
     # max_new_tokens by at most depth); the tree goes on top, the drafter writes a block there.
+    # Tensor-parallel target (ddtree.distributed): the draft top-k and, when greedy, the verify
+    # walk's argmax over the sharded LM head.
+    shard = distributed.vocab_shard(target)
     verifier = TargetVerifier(target, batch, n, depth, longest + max_new_tokens + depth + n,
-                              mode != "autoregressive", cuda_graph, is_hybrid)
+                              mode != "autoregressive", cuda_graph, is_hybrid,
+                              shard if temperature <= 0 else None)
     sampler = _Sampler(temperature, top_k, top_p,
                        torch.tensor([seed * 1000003 + b for b in range(batch)], device=device), depth)
     prompts = [p.to(device) for p in prompts]
@@ -336,8 +346,6 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     draft = _NoDrafter() if mode == "autoregressive" else \
         drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
     budget_t = torch.tensor(budgets, device=device)
-    # Tensor-parallel target (ddtree.distributed): the draft top-k over the sharded LM head.
-    shard = distributed.vocab_shard(target) if mode != "autoregressive" else None
     check_ranks = distributed.rank_check(target)
     clock = _StageClock(device)
     with validation(False), verifier.hybrid_layers():
@@ -345,8 +353,8 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             clock.mark(new_round=True)
             draft_logits = draft.step(bonus)
             clock.mark()
-            local = shard if shard is not None and draft_logits.shape[-1] == shard.local_size \
-                else None
+            local = shard if shard is not None and draft_logits is not None and \
+                draft_logits.shape[-1] == shard.local_size else None
             if mode == "tree":
                 tree, vis = ops.draft_to_tree(draft_logits, bonus, n - 1, valid, budget_t,
                                               vocab_shard=local)
@@ -356,7 +364,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                 tree, vis = root_tree(bonus, valid)
             clock.mark()
             logits, hidden_states = verifier.step(tree, vis, valid)
-            verdict = sampler.verify(tree, logits)
+            verdict = sampler.verify(tree, logits, verifier.vocab_shard)
             verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
             if check_ranks is not None:
                 check_ranks(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,

@@ -53,11 +53,14 @@ class TargetVerifier:
     prefill(prompts) once, then per round step(tree, vis, valid) and commit(verdict)."""
 
     def __init__(self, target, batch: int, n: int, max_depth: int, max_cache_len: int,
-                 want_hidden: bool, cuda_graph: bool, is_hybrid: bool):
+                 want_hidden: bool, cuda_graph: bool, is_hybrid: bool, vocab_shard=None):
         device = target.get_input_embeddings().weight.device
         if cuda_graph and device.type != "cuda":
             raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, got {device}")
         self.target, self.n, self.want_hidden = target, n, want_hidden
+        # Tensor-parallel target, greedy: step() returns this rank's vocabulary columns of the
+        # logits (the LM head's gather skipped); the walk takes their sharded top-1.
+        self.vocab_shard = vocab_shard
         self.max_cache_len, self.is_hybrid, self.use_graph = max_cache_len, is_hybrid, cuda_graph
         self.dtype = target.get_input_embeddings().weight.dtype
         self.packed_mask = hf.uses_tree_attention(target)
@@ -114,14 +117,21 @@ class TargetVerifier:
             hf.dense_tree_mask(t, self.max_cache_len, self.dtype)
         if self.is_hybrid:
             mask = {"full_attention": mask, "linear_attention": None}
-        out = self.target(input_ids=t.tokens, position_ids=t.positions, attention_mask=mask,
-                          past_key_values=self.cache, use_cache=True,
-                          output_hidden_states=self.want_hidden, ddtree_tree=t)
-        return out.logits, (tuple(out.hidden_states) if self.want_hidden else None)
+        args = dict(input_ids=t.tokens, position_ids=t.positions, attention_mask=mask,
+                    past_key_values=self.cache, use_cache=True,
+                    output_hidden_states=self.want_hidden, ddtree_tree=t)
+        if self.vocab_shard is None:
+            out = self.target(**args)
+            logits = out.logits
+        else:  # the decoder, then this rank's rows of the LM head
+            out = self.target.base_model(**args)
+            logits = self.vocab_shard.logits(out.last_hidden_state)
+        return logits, (tuple(out.hidden_states) if self.want_hidden else None)
 
     def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor):
         """Verifies `tree` (its rows go to cache rows [max(valid), max(valid) + N)); returns
-        (logits [B, N, V], hidden states or None), overwritten by the next round's replay."""
+        (logits [B, N, V] — [B, N, V_local] with vocab_shard — hidden states or None),
+        overwritten by the next round's replay."""
         t = self.tree
         for buffer, value in ((t.tokens, tree.node_tokens), (t.positions, vis.positions),
                               (t.packed, vis.packed), (t.parents, tree.parents),
