@@ -11,6 +11,9 @@ commits come out identical on every rank. What ddtree adds:
   (k + 1) int64 words per row — k candidate keys and one packed log-sum-exp accumulator — instead
   of the V logits; tree_topk_merge turns the gathered parts into exactly tree_topk of the whole
   vocabulary (ids identical, ties to the lower global id);
+- greedy verification the same way: the decoder's hidden states through this rank's LM-head rows,
+  the sharded top-1 of every tree node (TargetVerifier with vocab_shard) — the target's own
+  forward would gather the tree's [B, N, V] logits first;
 - a debug check (DDTREE_TP_CHECK=1) that all-gathers every round's tree and verdict and raises
   when the ranks disagree.
 """
