@@ -56,9 +56,15 @@ def is_main_rank() -> bool:
 
 
 def _dtensor_types():
+    """(DTensor, Shard), or (None, None) outside an initialised process group (nothing can be
+    sharded then; importing DTensor alone costs ~0.5 s) or with a torch without DTensor."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None
     try:
         from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # torch without DTensor: nothing is sharded
+    except ImportError:
         return None, None
     return DTensor, Shard
 
