@@ -24,7 +24,8 @@ def ranks(tmp_path_factory):
     tiny_target(seed=3).save_pretrained(out / "dense")
     for kind in ("qwen3_5", "qwen3_next"):
         tiny_hybrid(kind=kind).save_pretrained(out / kind)
-    env = dict(os.environ, DDTREE_TP_CHECK="1", OMP_NUM_THREADS="1")
+    # CPU + gloo everywhere (a GPU machine has one GPU: two NCCL ranks would need two).
+    env = dict(os.environ, DDTREE_TP_CHECK="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={WORLD}", str(HERE / "tp_worker.py"), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
