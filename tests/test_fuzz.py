@@ -345,13 +345,13 @@ def test_fuzz_recurrent_ops(backend, case, width, seed, dtype):
        st.sampled_from([(4, 2), (2, 2), (4, 1)]), st.booleans())
 def test_fuzz_tree_attention(backend, case, seed, heads, with_prefix):
     """Random forests over random prefixes (GQA, prefix_len below the tree start); CPU in fp32
-    with head dims 8 / 16 / 64, the emulated mma kernel in bf16 with 64."""
+    with head dims 8 / 12 / 16 / 40 / 64, the emulated mma kernel in bf16 with 64."""
     parents, counts, _ = case
     g = torch.Generator().manual_seed(seed)
     batch, n = parents.shape
     hq, hkv = heads
     kernel = backend != "cpu"
-    d = 64 if kernel else [8, 16, 64][seed % 3]
+    d = 64 if kernel else [8, 12, 16, 40, 64][seed % 5]  # CPU column chunks of 32 / 8 / 1
     dtype = torch.bfloat16 if kernel else torch.float32
     past = torch.randint(0, 30, (batch,), generator=g)
     s = (int(past.max()) if batch else 0) + n + 3

@@ -146,10 +146,13 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_per_request_prefix_length(backend):
-    """Rows between a request's valid prefix and the shared tree start are invisible."""
-    q, k, v, past, packed, visible = case(9, past=(30, 30))
-    prefix = torch.tensor([30, 12])
+@pytest.mark.parametrize("past,prefix", [((30, 30), (30, 12)), ((300, 300), (3, 290))],
+                         ids=["short", "whole-padding-blocks"])
+def test_per_request_prefix_length(backend, past, prefix):
+    """Rows between a request's valid prefix and the shared tree start are invisible (the CPU
+    path skips key blocks made only of such rows)."""
+    q, k, v, past, packed, visible = case(9, past=past)
+    prefix = torch.tensor(prefix)
     dev = "cpu" if backend == "cpu" else kernel_device(backend)
     ops = torch.ops.ddtree_emu if backend == "emulated" else torch.ops.ddtree
     got = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), past.to(dev), packed.to(dev), None,

@@ -14,8 +14,6 @@ constexpr int64_t kRowTile = 8;    // query rows per tile
 constexpr int64_t kKeyBlock = 64;  // keys per block: K / V blocks stay in L1 / L2 for the tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-constexpr int64_t kDChunk = 32;   // output columns kept in registers while keys stream
-
 // Scores of two query rows against one key block stored transposed (kt: [D][kKeyBlock]), 32 keys
 // at a time: 8 vector accumulators, each loaded key vector feeds two multiply-adds.
 __attribute__((always_inline)) inline void block_scores_pair(const float* q0, const float* q1, const float* kt, int64_t D, float* s0,
@@ -39,22 +37,33 @@ __attribute__((always_inline)) inline void block_scores_pair(const float* q0, co
   }
 }
 
-// acc[:cols] += sum_jj w[jj] * v_jj[:cols] over one key block (rows of v `stride` apart),
-// kDChunk output columns at a time in registers; cols is a multiple of kDChunk.
-__attribute__((always_inline)) inline void block_weighted_values(const float* w, const float* v, int64_t nk, int64_t stride,
-                           int64_t cols, float* acc) {
-  for (int64_t d0 = 0; d0 < cols; d0 += kDChunk) {
-    float a[kDChunk];
-    for (int64_t t = 0; t < kDChunk; ++t) a[t] = acc[d0 + t];
-    for (int64_t jj = 0; jj < nk; ++jj) {
-      const float wj = w[jj];
-      if (wj == 0.f) continue;
-      const float* vj = v + jj * stride + d0;
+// acc[:kCols] += sum_jj w[jj] * v_jj[:kCols] over one key block (rows of v `stride` apart), the
+// kCols output columns in registers while the keys stream.
+template <int64_t kCols>
+__attribute__((always_inline)) inline void weighted_values_chunk(const float* w, const float* v,
+                                                                 int64_t nk, int64_t stride,
+                                                                 float* acc) {
+  float a[kCols];
+  for (int64_t t = 0; t < kCols; ++t) a[t] = acc[t];
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float wj = w[jj];
+    if (wj == 0.f) continue;
+    const float* vj = v + jj * stride;
 #pragma omp simd
-      for (int64_t t = 0; t < kDChunk; ++t) a[t] += wj * vj[t];
-    }
-    for (int64_t t = 0; t < kDChunk; ++t) acc[d0 + t] = a[t];
+    for (int64_t t = 0; t < kCols; ++t) a[t] += wj * vj[t];
   }
+  for (int64_t t = 0; t < kCols; ++t) acc[t] = a[t];
+}
+
+// acc[:D] += sum_jj w[jj] * v_jj[:D] over one key block: chunks of 32 columns, then of 8 (one
+// AVX2 vector: head_dim 16 / 24 / 40 ...), then single columns.
+__attribute__((always_inline)) inline void block_weighted_values(const float* w, const float* v,
+                                                                 int64_t nk, int64_t stride,
+                                                                 int64_t D, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) weighted_values_chunk<32>(w, v + d0, nk, stride, acc + d0);
+  for (; d0 + 8 <= D; d0 += 8) weighted_values_chunk<8>(w, v + d0, nk, stride, acc + d0);
+  for (; d0 < D; ++d0) weighted_values_chunk<1>(w, v + d0, nk, stride, acc + d0);
 }
 
 // Work item = (request, KV head): keys (transposed per block of kKeyBlock) and values converted
@@ -94,6 +103,7 @@ __attribute__((always_inline)) inline void attention_items(const TreeAttentionPa
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
         const int64_t nk = std::min(kKeyBlock, keys - j0);
+        if (j0 >= open && j0 + nk <= past) continue;  // padding rows [open, past): seen by none
         for (int64_t r = 0; r < nr; r += 2)  // rows past nr have zero queries (qs) and are unused
           block_scores_pair(qs.data() + r * D, qs.data() + (r + 1) * D, kt.data() + j0 * D, D,
                             scores.data() + r * kKeyBlock, scores.data() + (r + 1) * kKeyBlock);
@@ -122,10 +132,7 @@ __attribute__((always_inline)) inline void attention_items(const TreeAttentionPa
             sum += s[jj];
           }
           l[r] += sum;
-          const int64_t main = D / kDChunk * kDChunk;
-          block_weighted_values(s, vf.data() + j0 * D, nk, D, main, a);
-          for (int64_t d = main; d < D; ++d)
-            for (int64_t jj = 0; jj < nk; ++jj) a[d] += s[jj] * vf[(j0 + jj) * D + d];
+          block_weighted_values(s, vf.data() + j0 * D, nk, D, D, a);
           m[r] = new_max;
         }
       }
@@ -153,8 +160,7 @@ void attention_items_baseline(const TreeAttentionParams& p, int64_t begin, int64
 }  // namespace
 
 void tree_attention_rows(const TreeAttentionParams& p, int64_t begin, int64_t end) {
-  static const bool avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2_fma) {
+  if (cpu_has_avx2_fma()) {
     attention_items_avx2(p, begin, end);
   } else {
     attention_items_baseline(p, begin, end);
