@@ -372,6 +372,35 @@ def test_fuzz_tree_attention(backend, case, seed, heads, with_prefix):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@fuzz_settings(40)
+@given(st.integers(0, 3), st.integers(1, 17), st.integers(0, 9), st.sampled_from([(4, 2), (2, 2), (4, 1)]),
+       st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([None, 2, 5]))
+def test_fuzz_draft_attention(backend, batch, lq, context, heads, seed, per_request, splits):
+    """The DFlash layer attention (RMSNorm + RoPE of the block and the new context, SDPA over
+    [cache; context; block], context appended to the cache) on random batch sizes (0 included),
+    block lengths, context rows (0 included), cache fills up to the cache end, per-request
+    context lengths, GQA and key splits; CPU in fp32 / bf16 with head dims 8 / 24 / 64, the
+    emulated mma kernel in bf16 with 64. Checks the output and the cache append against the
+    float64 reference (test_draft_attention.check)."""
+    from test_draft_attention import case as draft_case, check as draft_check
+
+    g = torch.Generator().manual_seed(seed)
+    kernel = backend != "cpu"
+    d = 64 if kernel else [8, 24, 64][seed % 3]
+    dtype = torch.bfloat16 if kernel or seed % 2 else torch.float32
+    s = lq + context + int(torch.randint(0, 40, (1,), generator=g))
+    cached = tuple(int(x) for x in torch.randint(0, s - lq - context + 1, (batch,), generator=g))
+    hq, hkv = heads
+    c = draft_case(seed % 1000, batch, lq, (context,), hq, hkv, d, cached, s, dtype)
+    lens = torch.randint(0, context + 1, (batch,), generator=g) if per_request else None
+    # fp32: the reference is float64 inside, so its own error is ~0 and the bound is the floor;
+    # the fused CPU path (polynomial exp, online softmax) was seen at 6 ulp of the output scale.
+    draft_check(backend, c, num_splits=splits if kernel else None, context_len=lens,
+                floor_ulps=8 if dtype == torch.float32 else 4)
+    count_trees(f"draft_attention[{backend}]", batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @fuzz_settings(120)
 @given(forests(max_batch=3, max_n=20, corrupt=False), st.integers(0, 2**31 - 1),
        st.integers(1, 4), st.booleans())

@@ -460,6 +460,10 @@ def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight,
     context_len [B] only the first context_len[b] new context rows of request b take part."""
     batch, lq, hq, _ = q.shape
     hkv = k_new.shape[2]
+    if batch == 0:
+        return (torch.zeros(q.shape, dtype=torch.float64),
+                torch.zeros(0, num_context, hkv, q.shape[-1], dtype=torch.float64),
+                v_new[:, :num_context])
     outs, new_k = [], []
     for b in range(batch):
         cached = int(cache_len[b])
