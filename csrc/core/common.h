@@ -12,6 +12,16 @@
 #define DDTREE_HOST_DEVICE inline
 #endif
 
+// `#pragma omp simd reduction(+ : var)` on the next loop in the host builds (g++ with -fopenmp /
+// -fopenmp-simd: the CPU ops, the emulator, the C++ benchmarks): the sum may be reassociated
+// into vector lanes. Nothing under nvcc.
+#define DDTREE_PRAGMA(x) _Pragma(#x)
+#if defined(__CUDACC__)
+#define DDTREE_SIMD_SUM(var)
+#else
+#define DDTREE_SIMD_SUM(var) DDTREE_PRAGMA(omp simd reduction(+ : var))
+#endif
+
 namespace ddtree {
 
 DDTREE_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

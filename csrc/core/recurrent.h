@@ -183,15 +183,21 @@ DDTREE_HOST_DEVICE float gdn_column_step(float* col, int64_t dk, const float* kn
                                          float v_dv, float g, float beta) {
   const float decay = expf(g);
   float kv = 0.f;
+  DDTREE_SIMD_SUM(kv)
   for (int64_t d = 0; d < dk; ++d) {
     col[d] *= decay;
     kv += col[d] * kn[d];
   }
   const float delta = (v_dv - kv) * beta;
   float o = 0.f;
-  for (int64_t d = 0; d < dk; ++d) {
-    col[d] += kn[d] * delta;
-    if (qn) o += col[d] * qn[d];
+  if (qn) {
+    DDTREE_SIMD_SUM(o)
+    for (int64_t d = 0; d < dk; ++d) {
+      col[d] += kn[d] * delta;
+      o += col[d] * qn[d];
+    }
+  } else {
+    for (int64_t d = 0; d < dk; ++d) col[d] += kn[d] * delta;
   }
   return o;
 }

@@ -1,5 +1,7 @@
 #include "cpu/recurrent.h"
 
+#include "cpu/vector_math.h"
+
 #include <vector>
 
 namespace ddtree::cpu {
@@ -14,7 +16,10 @@ void tree_conv_rows(const TreeConvParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void tree_gdn_heads(const TreeGdnParams& p, int64_t begin, int64_t end) {
+namespace {
+
+__attribute__((always_inline)) inline void gdn_heads(const TreeGdnParams& p, int64_t begin,
+                                                     int64_t end) {
   const int64_t n = p.n, dk = p.dk, dv = p.dv;
   std::vector<int32_t> first_child(n), next_sibling(n), depth(n), order(n), slot(n);
   std::vector<uint8_t> flags(n);
@@ -52,7 +57,31 @@ void tree_gdn_heads(const TreeGdnParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void commit_recurrent_layers(const CommitRecurrentLayersParams& p, int64_t begin, int64_t end) {
+// The same loops compiled with AVX2 + FMA (chosen at run time where the CPU has both) and for
+// the baseline ISA.
+__attribute__((target("avx2,fma"))) void gdn_heads_avx2(const TreeGdnParams& p, int64_t begin,
+                                                        int64_t end) {
+  gdn_heads(p, begin, end);
+}
+
+void gdn_heads_baseline(const TreeGdnParams& p, int64_t begin, int64_t end) {
+  gdn_heads(p, begin, end);
+}
+
+}  // namespace
+
+void tree_gdn_heads(const TreeGdnParams& p, int64_t begin, int64_t end) {
+  if (cpu_has_avx2_fma()) {
+    gdn_heads_avx2(p, begin, end);
+  } else {
+    gdn_heads_baseline(p, begin, end);
+  }
+}
+
+namespace {
+
+__attribute__((always_inline)) inline void commit_layers(const CommitRecurrentLayersParams& p,
+                                                         int64_t begin, int64_t end) {
   const TreeGdnParams& shape = p.base.gdn;
   std::vector<float> state(shape.dv * shape.dk), kn(shape.dk);
   for (int64_t item = begin; item < end; ++item) {  // item = layer * B + request
@@ -75,6 +104,25 @@ void commit_recurrent_layers(const CommitRecurrentLayersParams& p, int64_t begin
     }
     if (!layer.conv.conv_pool) continue;
     for (int64_t ch = 0; ch < layer.conv.channels; ++ch) commit_conv_channel(layer.conv, path, len, b, ch);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void commit_layers_avx2(const CommitRecurrentLayersParams& p,
+                                                            int64_t begin, int64_t end) {
+  commit_layers(p, begin, end);
+}
+
+void commit_layers_baseline(const CommitRecurrentLayersParams& p, int64_t begin, int64_t end) {
+  commit_layers(p, begin, end);
+}
+
+}  // namespace
+
+void commit_recurrent_layers(const CommitRecurrentLayersParams& p, int64_t begin, int64_t end) {
+  if (cpu_has_avx2_fma()) {
+    commit_layers_avx2(p, begin, end);
+  } else {
+    commit_layers_baseline(p, begin, end);
   }
 }
 
