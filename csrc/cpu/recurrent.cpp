@@ -57,26 +57,9 @@ __attribute__((always_inline)) inline void gdn_heads(const TreeGdnParams& p, int
   }
 }
 
-// The same loops compiled with AVX2 + FMA (chosen at run time where the CPU has both) and for
-// the baseline ISA.
-__attribute__((target("avx2,fma"))) void gdn_heads_avx2(const TreeGdnParams& p, int64_t begin,
-                                                        int64_t end) {
-  gdn_heads(p, begin, end);
-}
-
-void gdn_heads_baseline(const TreeGdnParams& p, int64_t begin, int64_t end) {
-  gdn_heads(p, begin, end);
-}
-
 }  // namespace
 
-void tree_gdn_heads(const TreeGdnParams& p, int64_t begin, int64_t end) {
-  if (cpu_has_avx2_fma()) {
-    gdn_heads_avx2(p, begin, end);
-  } else {
-    gdn_heads_baseline(p, begin, end);
-  }
-}
+DDTREE_CPU_DISPATCH(tree_gdn_heads, TreeGdnParams, gdn_heads)
 
 namespace {
 
@@ -107,23 +90,8 @@ __attribute__((always_inline)) inline void commit_layers(const CommitRecurrentLa
   }
 }
 
-__attribute__((target("avx2,fma"))) void commit_layers_avx2(const CommitRecurrentLayersParams& p,
-                                                            int64_t begin, int64_t end) {
-  commit_layers(p, begin, end);
-}
-
-void commit_layers_baseline(const CommitRecurrentLayersParams& p, int64_t begin, int64_t end) {
-  commit_layers(p, begin, end);
-}
-
 }  // namespace
 
-void commit_recurrent_layers(const CommitRecurrentLayersParams& p, int64_t begin, int64_t end) {
-  if (cpu_has_avx2_fma()) {
-    commit_layers_avx2(p, begin, end);
-  } else {
-    commit_layers_baseline(p, begin, end);
-  }
-}
+DDTREE_CPU_DISPATCH(commit_recurrent_layers, CommitRecurrentLayersParams, commit_layers)
 
 }  // namespace ddtree::cpu

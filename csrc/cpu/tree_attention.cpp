@@ -146,25 +146,8 @@ __attribute__((always_inline)) inline void attention_items(const TreeAttentionPa
   }
 }
 
-// The same loops compiled twice: with AVX2 + FMA (chosen at run time where the CPU has both) and
-// for the baseline ISA.
-__attribute__((target("avx2,fma"))) void attention_items_avx2(const TreeAttentionParams& p,
-                                                             int64_t begin, int64_t end) {
-  attention_items(p, begin, end);
-}
-
-void attention_items_baseline(const TreeAttentionParams& p, int64_t begin, int64_t end) {
-  attention_items(p, begin, end);
-}
-
 }  // namespace
 
-void tree_attention_rows(const TreeAttentionParams& p, int64_t begin, int64_t end) {
-  if (cpu_has_avx2_fma()) {
-    attention_items_avx2(p, begin, end);
-  } else {
-    attention_items_baseline(p, begin, end);
-  }
-}
+DDTREE_CPU_DISPATCH(tree_attention_rows, TreeAttentionParams, attention_items)
 
 }  // namespace ddtree::cpu

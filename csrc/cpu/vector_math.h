@@ -46,6 +46,25 @@ __attribute__((always_inline)) inline float exp2_bounded(float t) {
 
 constexpr float kLog2e = 1.44269504088896341f;
 
+// Defines `void name(const Params& p, int64_t begin, int64_t end)` that runs `body(p, begin, end)`
+// (an always_inline function) compiled for AVX2 + FMA where the CPU has both
+// (cpu_has_avx2_fma), compiled for the baseline ISA otherwise. Use at namespace scope.
+#define DDTREE_CPU_DISPATCH(name, Params, body)                                               \
+  __attribute__((target("avx2,fma"))) static void name##_avx2(const Params& p, int64_t begin, \
+                                                               int64_t end) {                  \
+    body(p, begin, end);                                                                       \
+  }                                                                                            \
+  static void name##_baseline(const Params& p, int64_t begin, int64_t end) {                   \
+    body(p, begin, end);                                                                       \
+  }                                                                                            \
+  void name(const Params& p, int64_t begin, int64_t end) {                                     \
+    if (cpu_has_avx2_fma()) {                                                                  \
+      name##_avx2(p, begin, end);                                                              \
+    } else {                                                                                   \
+      name##_baseline(p, begin, end);                                                          \
+    }                                                                                          \
+  }
+
 // Whether this CPU runs the AVX2 + FMA builds of the hot loops (decided once, at run time: GCC's
 // target_clones dispatch tests the CPU model, not its features). DDTREE_CPU_BASELINE=1 in the
 // environment picks the baseline-ISA loops anyway (the tests run both).
