@@ -38,10 +38,7 @@ int main() {
       p.logprobs = lp.data();
       p.ids = ids.data();
       cpu::tree_topk_rows(p, 0, rows);
-      for (int64_t r = 0; r < rows; r += 7)
-        if (reference_topk_ids(x.data() + r * vocab, vocab, k) !=
-            std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
-          return fail("tree_topk");
+      if (!topk_ids_match(x, vocab, rows, k, ids, 7)) return fail("tree_topk");
       const double us = median_us([&] { cpu::tree_topk_rows(p, 0, rows); }, 5);
       std::printf("%5lld %7lld | %10.1f %10.3f\n", static_cast<long long>(batch),
                   static_cast<long long>(vocab), us, 1e3 * us / (rows * vocab));
@@ -68,8 +65,8 @@ int main() {
         p.vocab = width;
         p.id_offset = begin;
         p.part_keys = reinterpret_cast<uint64_t*>(parts.data() + j * rows * (k + 1));
-        cpu::tree_topk_shard_rows(p, 0, rows);
-        if (j == 0) us_shard = median_us([&] { cpu::tree_topk_shard_rows(p, 0, rows); }, 5);
+        cpu::tree_topk_part_items(p, 0, rows);
+        if (j == 0) us_shard = median_us([&] { cpu::tree_topk_part_items(p, 0, rows); }, 5);
       }
       std::vector<float> lp(rows * k);
       std::vector<int64_t> ids(rows * k);
@@ -82,10 +79,8 @@ int main() {
       m.logprobs = lp.data();
       m.ids = ids.data();
       cpu::tree_topk_merge_parts(m, 0, rows);
-      for (int64_t r = 0; r < rows; r += 7)
-        if (reference_topk_ids(x.data() + r * vocab, vocab, k) !=
-            std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
-          return fail("tree_topk_shard + tree_topk_merge");
+      if (!topk_ids_match(x, vocab, rows, k, ids, 7))
+        return fail("tree_topk_shard + tree_topk_merge");
       const double us_merge = median_us([&] { cpu::tree_topk_merge_parts(m, 0, rows); }, 11);
       std::printf("%3lld %5lld | %13.1f us %11.1f us\n", static_cast<long long>(shards),
                   static_cast<long long>(batch), us_shard, us_merge);

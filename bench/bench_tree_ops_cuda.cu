@@ -43,10 +43,7 @@ int main() {
       p.ids = dids;
       if (gpu::launch_tree_topk(p, nullptr) != 0) return fail("tree_topk launch");
       const std::vector<int64_t> ids = download(dids, rows * k);
-      for (int64_t r = 0; r < rows; r += 5)
-        if (reference_topk_ids(x.data() + r * vocab, vocab, k) !=
-            std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
-          return fail("tree_topk");
+      if (!topk_ids_match(x, vocab, rows, k, ids, 5)) return fail("tree_topk");
       const double us = time_us([&] { gpu::launch_tree_topk(p, nullptr); });
       // The split form the op uses for few rows: parts blocks per row + a merge launch.
       const int64_t parts = std::min<int64_t>(
@@ -64,31 +61,39 @@ int main() {
         us_split = time_us([&] { gpu::launch_tree_topk(q, nullptr); });
         cudaFree(q.part_keys);
       }
-      // One rank's side of the vocabulary-sharded top-k (8 shards: a shard of V / 8 columns,
-      // its parts) and the merge of 8 parts, as tree_topk_shard / tree_topk_merge run them.
+      // The vocabulary-sharded top-k as tree_topk_shard / tree_topk_merge run it: 8 shards of
+      // V / 8 columns, each rank's part (the first shard's timed), then the merge of the 8 parts.
       const int64_t shards = 8, width = (vocab + shards - 1) / shards;
-      TreeTopkParams sh = p;
-      sh.vocab = width;  // the first shard's columns: rows of the full logits read with stride
       int64_t* dparts = nullptr;
       cudaMalloc(&dparts, shards * rows * (k + 1) * 8);
-      std::vector<float> shard_x(rows * width);
-      for (int64_t r = 0; r < rows; ++r)
-        std::copy(x.begin() + r * vocab, x.begin() + r * vocab + width, shard_x.begin() + r * width);
-      float* dshard = upload(shard_x);
-      sh.logits = dshard;
-      sh.part_keys = reinterpret_cast<uint64_t*>(dparts);
-      if (gpu::launch_tree_topk(sh, nullptr) != 0) return fail("tree_topk_shard launch");
-      const double us_shard = time_us([&] { gpu::launch_tree_topk(sh, nullptr); });
-      for (int64_t j = 1; j < shards; ++j)  // every shard's parts = the first's (timing only)
-        cudaMemcpy(dparts + j * rows * (k + 1), dparts, rows * (k + 1) * 8, cudaMemcpyDeviceToDevice);
+      double us_shard = 0;
+      for (int64_t j = 0; j < shards; ++j) {
+        const int64_t begin = j * width, cols = std::min(vocab, begin + width) - begin;
+        std::vector<float> shard_x(rows * cols);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy(x.begin() + r * vocab + begin, x.begin() + r * vocab + begin + cols,
+                    shard_x.begin() + r * cols);
+        float* dshard = upload(shard_x);
+        TreeTopkParams sh = p;
+        sh.logits = dshard;
+        sh.vocab = cols;
+        sh.id_offset = begin;
+        sh.part_keys = reinterpret_cast<uint64_t*>(dparts + j * rows * (k + 1));
+        if (gpu::launch_tree_topk(sh, nullptr) != 0) return fail("tree_topk_shard launch");
+        if (j == 0) us_shard = time_us([&] { gpu::launch_tree_topk(sh, nullptr); });
+        cudaDeviceSynchronize();
+        cudaFree(dshard);
+      }
       TreeTopkParams mg = p;
       mg.parts = shards;
       mg.part_stride = rows;
       mg.part_keys = reinterpret_cast<uint64_t*>(dparts);
+      cudaMemset(dids, 0, rows * k * 8);
       if (gpu::launch_tree_topk_merge(mg, nullptr) != 0) return fail("tree_topk_merge launch");
+      if (!topk_ids_match(x, vocab, rows, k, download(dids, rows * k), 5))
+        return fail("tree_topk_shard + tree_topk_merge");
       const double us_merge = time_us([&] { gpu::launch_tree_topk_merge(mg, nullptr); });
       cudaFree(dparts);
-      cudaFree(dshard);
       std::printf("%5lld %7lld | %9.1f %9.0f | split %2lld: %7.1f us %6.0f GB/s | 1/8 shard %6.1f us, "
                   "merge of 8 %6.1f us\n",
                   static_cast<long long>(batch), static_cast<long long>(vocab), us,

@@ -245,6 +245,16 @@ inline std::vector<int64_t> reference_topk_ids(const float* x, int64_t vocab, in
   return order;
 }
 
+// Whether ids [rows, k] hold reference_topk_ids of every `step`-th row of x [rows, vocab].
+inline bool topk_ids_match(const std::vector<float>& x, int64_t vocab, int64_t rows, int64_t k,
+                           const std::vector<int64_t>& ids, int64_t step) {
+  for (int64_t r = 0; r < rows; r += step)
+    if (reference_topk_ids(x.data() + r * vocab, vocab, k) !=
+        std::vector<int64_t>(ids.begin() + r * k, ids.begin() + (r + 1) * k))
+      return false;
+  return true;
+}
+
 // parent < i, depth = parent's + 1, and path scores (float64) non-increasing in node order.
 inline bool check_tree(const DraftTopk& d, int64_t budget, const std::vector<int64_t>& tokens,
                        const std::vector<int64_t>& parents, const std::vector<int64_t>& depths,

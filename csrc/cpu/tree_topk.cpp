@@ -21,6 +21,14 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // (e^60 * kBlock stays far from float overflow); beyond it the block is redone.
 constexpr float kExpHeadroom = 60.f;
 
+// A vocabulary range's running log-sum-exp and its best keys (count <= k, in the scratch keys).
+struct TopkPartial {
+  float max;
+  double sum;  // sum of exp(x - max) over the range's finite-max values
+  int nan;
+  int64_t count;
+};
+
 // Scratch keys per selection: the k best so far plus room for candidates between compactions.
 inline int64_t scratch_size(int64_t k) { return 2 * k + 8; }
 
@@ -144,6 +152,16 @@ __attribute__((target("avx2,fma"))) int64_t values_above_avx2(const float* x, in
   return n + values_above_scalar<kGreater>(x, v, stop, bar, idx + n);
 }
 
+template <bool kAvx2, bool kGreater>
+__attribute__((always_inline)) inline int64_t values_above(const float* x, int64_t from,
+                                                           int64_t stop, float bar, int32_t* idx) {
+  if constexpr (kAvx2) {
+    return values_above_avx2<kGreater>(x, from, stop, bar, idx);
+  } else {
+    return values_above_scalar<kGreater>(x, from, stop, bar, idx);
+  }
+}
+
 // Keeps the k best of buf[0, n) in buf[0, k) (unordered; buf[k - 1] the k-th best).
 inline void keep_best(uint64_t* buf, int64_t n, int64_t k) {
   std::nth_element(buf, buf + k - 1, buf + n, std::greater<uint64_t>());
@@ -176,26 +194,19 @@ __attribute__((always_inline)) inline int64_t select_best(const float* x, int64_
   const bool take_all = !(floor > -kInf);
   for (int64_t blk = 0; begin + blk * kBlock < end; ++blk) {
     const int64_t v0 = begin + blk * kBlock, stop = std::min(end, v0 + kBlock);
+    // Before the first compaction the floor decides (values >= it; every value without one);
+    // after it (a real, non-NaN bar) only values above the bar's can beat it.
     const bool real_bar = (bar >> 32) != 0;
-    const float bar_value = real_bar ? topk_key_value(bar) : floor;
-    if (!take_all && !(block_max[blk] >= bar_value)) continue;
-    if (real_bar && !(block_max[blk] > bar_value)) continue;
-    int64_t n;
-    if (take_all && !real_bar) {
-      n = 0;
+    int64_t n = 0;
+    if (real_bar) {
+      const float bar_value = topk_key_value(bar);
+      if (!(block_max[blk] > bar_value)) continue;
+      n = values_above<kAvx2, true>(x, v0, stop, bar_value, idx);
+    } else if (take_all) {
       for (int64_t v = v0; v < stop; ++v) idx[n++] = static_cast<int32_t>(v);
-    } else if (real_bar) {
-      if constexpr (kAvx2) {
-        n = values_above_avx2<true>(x, v0, stop, bar_value, idx);
-      } else {
-        n = values_above_scalar<true>(x, v0, stop, bar_value, idx);
-      }
     } else {
-      if constexpr (kAvx2) {
-        n = values_above_avx2<false>(x, v0, stop, floor, idx);
-      } else {
-        n = values_above_scalar<false>(x, v0, stop, floor, idx);
-      }
+      if (!(block_max[blk] >= floor)) continue;
+      n = values_above<kAvx2, false>(x, v0, stop, floor, idx);
     }
     for (int64_t i = 0; i < n; ++i) {
       const uint64_t key = topk_key(x[idx[i]], idx[i]);
@@ -414,18 +425,6 @@ void chain_tree_write(const ChainTreeParams& p, int64_t b_begin, int64_t b_end) 
 
 namespace {
 
-// topk_span over each whole row of [row_begin, row_end), then done(row, partial, its keys).
-template <class Done>
-void each_row_topk(const TreeTopkParams& p, int64_t row_begin, int64_t row_end, Done&& done) {
-  std::vector<uint64_t> buf(scratch_size(p.k));
-  std::vector<float> scratch;
-  for (int64_t row = row_begin; row < row_end; ++row) {
-    const TopkPartial acc = topk_span(static_cast<const float*>(p.logits) + row * p.vocab, 0,
-                                      p.vocab, p.k, buf.data(), scratch);
-    done(row, acc, buf.data());
-  }
-}
-
 // A range's accumulator in the GPU kernels' (max, sum) convention (core/tree_topk.h): sum NaN
 // after a NaN, 1 for a +inf max, 0 with nothing finite.
 LseAccumulator accumulator_of(const TopkPartial& a) {
@@ -437,21 +436,33 @@ LseAccumulator accumulator_of(const TopkPartial& a) {
 }  // namespace
 
 void tree_topk_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
-  each_row_topk(p, row_begin, row_end, [&](int64_t row, const TopkPartial& acc, uint64_t* keys) {
-    write_row(keys, acc.count, p.k, lse_of(acc), p.logprobs + row * p.k, p.ids + row * p.k);
-  });
+  std::vector<uint64_t> buf(scratch_size(p.k));
+  std::vector<float> scratch;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const TopkPartial acc = topk_span(static_cast<const float*>(p.logits) + row * p.vocab, 0,
+                                      p.vocab, p.k, buf.data(), scratch);
+    write_row(buf.data(), acc.count, p.k, lse_of(acc), p.logprobs + row * p.k, p.ids + row * p.k);
+  }
 }
 
-void tree_topk_shard_rows(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
-  each_row_topk(p, row_begin, row_end, [&](int64_t row, const TopkPartial& acc, uint64_t* keys) {
-    // Local ids -> global: the key's low word is ~id, so id + offset is the key minus offset.
-    for (int64_t i = 0; i < acc.count; ++i) keys[i] -= static_cast<uint64_t>(p.id_offset);
-    std::sort(keys, keys + acc.count, std::greater<uint64_t>());
-    uint64_t* part = p.part_keys + part_offset(p, row, 0);
-    std::copy(keys, keys + acc.count, part);
+void tree_topk_part_items(const TreeTopkParams& p, int64_t item_begin, int64_t item_end) {
+  std::vector<uint64_t> buf(scratch_size(p.k));
+  std::vector<float> scratch;
+  for (int64_t item = item_begin; item < item_end; ++item) {
+    const int64_t row = item / p.parts, j = item % p.parts;
+    int64_t begin, end;
+    vocab_part_range(p.vocab, p.parts, j, begin, end);
+    // topk_span keys ids by position in the row (the range's base is the row's, not the range's).
+    const TopkPartial acc = topk_span(static_cast<const float*>(p.logits) + row * p.vocab, begin,
+                                      end, p.k, buf.data(), scratch);
+    // Row positions -> token ids: the key's low word is ~id, so id + offset is key - offset.
+    for (int64_t i = 0; i < acc.count; ++i) buf[i] -= static_cast<uint64_t>(p.id_offset);
+    std::sort(buf.begin(), buf.begin() + acc.count, std::greater<uint64_t>());
+    uint64_t* part = p.part_keys + part_offset(p, row, j);
+    std::copy(buf.begin(), buf.begin() + acc.count, part);
     std::fill(part + acc.count, part + p.k, uint64_t{0});
     part[p.k] = pack_lse(accumulator_of(acc));
-  });
+  }
 }
 
 void tree_topk_merge_parts(const TreeTopkParams& p, int64_t row_begin, int64_t row_end) {
@@ -474,39 +485,6 @@ int64_t tree_topk_parts(int64_t rows, int64_t vocab, int threads) {
   int64_t parts = threads / std::gcd(rows, int64_t{threads});
   while (parts > 1 && vocab / parts < 8192) parts /= 2;
   return std::max<int64_t>(parts, 1);
-}
-
-void tree_topk_partial(const TreeTopkParams& p, int64_t parts, int64_t item_begin,
-                       int64_t item_end, TopkPartial* partial, uint64_t* keys) {
-  std::vector<uint64_t> buf(scratch_size(p.k));
-  std::vector<float> scratch;
-  for (int64_t item = item_begin; item < item_end; ++item) {
-    const int64_t row = item / parts;
-    int64_t begin, end;
-    vocab_part_range(p.vocab, parts, item % parts, begin, end);
-    const float* x = static_cast<const float*>(p.logits) + row * p.vocab;
-    // topk_span indexes ids by absolute position: pass the row base, not the range base.
-    partial[item] = topk_span(x, begin, end, p.k, buf.data(), scratch);
-    std::copy(buf.begin(), buf.begin() + partial[item].count, keys + item * p.k);
-  }
-}
-
-void tree_topk_merge(const TreeTopkParams& p, int64_t parts, int64_t row_begin, int64_t row_end,
-                     const TopkPartial* partial, uint64_t* keys) {
-  std::vector<uint64_t> all;
-  for (int64_t row = row_begin; row < row_end; ++row) {
-    TopkPartial total{-kInf, 0.0, 0, 0};
-    all.clear();
-    for (int64_t j = 0; j < parts; ++j) {
-      const TopkPartial& a = partial[row * parts + j];
-      total.nan |= a.nan;
-      add_lse(total, a.max, a.sum);
-      const uint64_t* k = keys + (row * parts + j) * p.k;
-      all.insert(all.end(), k, k + a.count);
-    }
-    write_row(all.data(), static_cast<int64_t>(all.size()), p.k, lse_of(total),
-              p.logprobs + row * p.k, p.ids + row * p.k);
-  }
 }
 
 }  // namespace ddtree::cpu

@@ -73,29 +73,22 @@ std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
   p.ids = ids.data_ptr<int64_t>();
   const Tensor source = kernel_logits<kBackend>(logits, p.dtype);
   p.logits = source.data_ptr();
-  if constexpr (kBackend == Backend::kCpu) {
-    // Few rows (batch 1: L = 15): split each row over the threads, then merge the parts.
-    const int64_t parts = cpu::tree_topk_parts(p.rows, V, at::get_num_threads());
-    if (parts > 1) {
-      std::vector<cpu::TopkPartial> partial(p.rows * parts);
-      std::vector<uint64_t> keys(p.rows * parts * k);
-      at::parallel_for(0, p.rows * parts, 1, [&](int64_t begin, int64_t end) {
-        cpu::tree_topk_partial(p, parts, begin, end, partial.data(), keys.data());
+  // Few rows (batch 1: L = 15): each row split into vocabulary ranges (CPU: over the threads;
+  // GPU: over the SMs), whose parts (the tree_topk_shard layout) are then merged.
+  p.parts = split_parts(kBackend, logits, p.rows, V);
+  Tensor part_keys;
+  if (p.parts > 1) {
+    part_keys = at::empty({p.rows * p.parts * (k + 1)}, opts.dtype(at::kLong));
+    p.part_keys = reinterpret_cast<uint64_t*>(part_keys.data_ptr<int64_t>());
+    p.part_row_stride = p.parts;
+    if constexpr (kBackend == Backend::kCpu) {
+      at::parallel_for(0, p.rows * p.parts, 1, [&](int64_t begin, int64_t end) {
+        cpu::tree_topk_part_items(p, begin, end);
       });
       at::parallel_for(0, p.rows, 1, [&](int64_t begin, int64_t end) {
-        cpu::tree_topk_merge(p, parts, begin, end, partial.data(), keys.data());
+        cpu::tree_topk_merge_parts(p, begin, end);
       });
       return {logprobs, ids};
-    }
-  }
-  Tensor part_keys;
-  if constexpr (kBackend != Backend::kCpu) {
-    // Few rows (batch 1): several blocks per row, then a merge launch.
-    p.parts = split_parts(kBackend, logits, p.rows, V);
-    if (p.parts > 1) {
-      part_keys = at::empty({p.rows * p.parts * (k + 1)}, opts.dtype(at::kLong));
-      p.part_keys = reinterpret_cast<uint64_t*>(part_keys.data_ptr<int64_t>());
-      p.part_row_stride = p.parts;
     }
   }
   run_op<kBackend>(op, kTopkKernels, p, logits, p.rows, 1);
@@ -103,7 +96,7 @@ std::tuple<Tensor, Tensor> tree_topk(const Tensor& logits, int64_t k) {
 }
 
 constexpr OpKernels<TreeTopkParams> kShardKernels{
-    &cpu::tree_topk_shard_rows, &emulated::launch_tree_topk, DDTREE_GPU_LAUNCHER(launch_tree_topk)};
+    &cpu::tree_topk_part_items, &emulated::launch_tree_topk, DDTREE_GPU_LAUNCHER(launch_tree_topk)};
 constexpr OpKernels<TreeTopkParams> kMergeKernels{&cpu::tree_topk_merge_parts,
                                                   &emulated::launch_tree_topk_merge,
                                                   DDTREE_GPU_LAUNCHER(launch_tree_topk_merge)};

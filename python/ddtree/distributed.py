@@ -115,12 +115,21 @@ def _all_gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
 def vocab_shard(target) -> Optional[VocabShard]:
     """The VocabShard of `target`'s LM head when it is a DTensor sharded on the vocabulary over
     more than one rank (transformers' "colwise" / "colwise_gather_output" plan); else None.
-    Collective: call it on every rank (it all-gathers the shard sizes once)."""
+    Collective the first time for a given weight (it all-gathers the shard sizes); call it on
+    every rank. Later calls (the loop's, the drafter's, every generate) reuse the result."""
     DTensor, Shard = _dtensor_types()
     head = target.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if DTensor is None or not isinstance(weight, DTensor):
         return None
+    cached = getattr(head, "_ddtree_vocab_shard", None)  # (weight it was made from, shard)
+    if cached is None or cached[0] is not weight:
+        cached = (weight, _make_vocab_shard(head, weight, DTensor, Shard))
+        head._ddtree_vocab_shard = cached
+    return cached[1]
+
+
+def _make_vocab_shard(head, weight, DTensor, Shard) -> Optional[VocabShard]:
     mesh = weight.device_mesh
     if mesh.ndim != 1 or mesh.size() == 1 or tuple(weight.placements) != (Shard(0),):
         return None

@@ -358,7 +358,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             if mode == "tree":
                 tree, vis = ops.draft_to_tree(draft_logits, bonus, n - 1, valid, budget_t,
                                               vocab_shard=local)
-            elif mode == "chain":  # the argmax chain, without the log-softmax / top-k machinery
+            elif mode == "chain":  # the argmax chain (unsharded: no log-softmax / top-k machinery)
                 tree, vis = ops.chain_to_tree(draft_logits, bonus, valid, vocab_shard=local)
             else:
                 tree, vis = root_tree(bonus, valid)
@@ -367,8 +367,9 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             verdict = sampler.verify(tree, logits, verifier.vocab_shard)
             verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
             if check_ranks is not None:
-                check_ranks(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
-                            accept_len=verdict.accept_len, bonus=verdict.bonus)
+                check_ranks(tokens=tree.node_tokens, parents=tree.parents,
+                            accepted=verdict.accepted, accept_len=verdict.accept_len,
+                            bonus=verdict.bonus)
             clock.mark()
             verifier.commit(verdict)
             draft.commit(hidden_states, verdict)
