@@ -33,7 +33,7 @@ test: build
 # see csrc/simt/emulator.cpp) over the emulated kernels, one OS thread; a data race fails the run.
 ASAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py tests/test_sharded_topk.py \
 	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
-	tests/test_draft_attention.py tests/test_simt_emulator.py tests/test_fuzz.py
+	tests/test_draft_attention.py tests/test_simt_emulator.py tests/test_fuzz.py tests/test_hostile_inputs.py
 TSAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py tests/test_sharded_topk.py \
 	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
 	tests/test_draft_attention.py tests/test_simt_emulator.py

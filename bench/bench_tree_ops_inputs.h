@@ -201,6 +201,7 @@ inline TreeGdnParams gdn_params(RecurrentInputs& r) {
   p.g = r.g.data();
   p.beta = r.beta.data();
   p.state_pool = r.state.data();
+  p.pool_size = 1;
   p.slots = r.slots.data();
   p.parents = r.tree.parents.data();
   p.num_nodes = r.tree.num_nodes.data();
@@ -223,6 +224,7 @@ inline TreeConvParams conv_params(RecurrentInputs& r) {
   p.x = r.x.data();
   p.weight = r.weight.data();
   p.conv_pool = r.conv_pool.data();
+  p.pool_size = 1;
   p.slots = r.slots.data();
   p.parents = r.tree.parents.data();
   p.num_nodes = r.tree.num_nodes.data();

@@ -224,7 +224,7 @@ def test_bad_input():
     target, drafter = tiny_target(), tiny_drafter()
     with pytest.raises(ValueError, match="non-empty"):
         generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), 4)
-    with pytest.raises(ValueError, match="budget must be >= 0"):
+    with pytest.raises(ValueError, match="budget must be an integer >= 0"):
         generate(target, drafter, torch.tensor([[1]]), 4, budget=-1)
     with pytest.raises(ValueError, match="mode must be one of"):
         generate(target, drafter, torch.tensor([[1]]), 4, mode="beam")
@@ -235,7 +235,7 @@ def test_bad_input():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4))
     with pytest.raises(ValueError, match="unsupported target architecture 'gpt2'"):
         generate(gpt2, drafter, torch.tensor([[1]]), 4)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
         generate(target, drafter, torch.tensor([[1]]), 0)
     with pytest.raises(ValueError, match=r"prompt 0 holds token ids outside the target's "
                                          r"vocabulary \[0, 96\): min 1, max 96"):
@@ -471,7 +471,7 @@ def test_batch_bad_input():
     target, drafter = tiny_target(), tiny_drafter()
     with pytest.raises(ValueError, match="every prompt must be non-empty"):
         generate_batch(target, drafter, [[1, 2], []], 4)
-    with pytest.raises(ValueError, match="one int or one per prompt"):
+    with pytest.raises(ValueError, match="a list of one per prompt"):
         generate_batch(target, drafter, [[1, 2], [3]], 4, budget=[4])
     with pytest.raises(ValueError, match="for a batch pass a list of prompts"):
         generate(target, drafter, torch.ones(2, 3, dtype=torch.long), 4)

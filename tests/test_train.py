@@ -115,3 +115,38 @@ def test_stdlib_split_is_disjoint_and_stable():
     root = train.stdlib_root()
     assert all(train.is_heldout(p.relative_to(root).as_posix()) for p in held)
     assert not any("site-packages" in p.parts for p in held + trained)
+
+
+def test_non_finite_loss_stops_training(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    losses = iter([1.0, float("nan")])
+    run = train._Run(str(tmp_path), "drafter", 5, True, {"lr": 1e-3})
+    with pytest.raises(FloatingPointError, match="loss is nan at step 2"):
+        train._optimise(model, list(model.parameters()), 5, 1e-3, 0,
+                        lambda: model.weight.sum() * 0 + next(losses), run, torch.Generator(),
+                        False, 0)
+    target, drafter = tiny_target(), tiny_drafter(block_size=8)
+    stream = torch.arange(500) % (VOCAB - 1)
+    with pytest.raises(ValueError, match="--gamma must be a finite number > 0, got 0"):
+        train.train_drafter(target, drafter, stream, train.DrafterRecipe(gamma=0.0), str(tmp_path),
+                            quiet=True)
+
+
+def test_resume_checks_the_recipe_and_cuts_the_log_back(tmp_path):
+    target = tiny_target()
+    stream = torch.randint(0, VOCAB - 1, (2000,), generator=torch.Generator().manual_seed(2))
+    recipe = train.DrafterRecipe(steps=20, batch=2, anchors=2, sequences=8, prompt_len=8,
+                                 gen_len=16, lr=3e-3, warmup=3, labels="data")
+    train.train_drafter(target, tiny_drafter(block_size=8), stream, recipe, str(tmp_path),
+                        quiet=True)
+    log = tmp_path / "drafter_log.jsonl"
+    with open(log, "a") as f:  # rows of a run that went on past the saved state
+        f.write(json.dumps({"step": 30, "loss": 1.0}) + "\n" + json.dumps({"step": 40}) + "\n")
+    train.train_drafter(target, tiny_drafter(block_size=8), stream, recipe, str(tmp_path),
+                        resume=True, quiet=True)
+    assert [json.loads(line)["step"] for line in open(log)] == [10, 20]
+    other = train.DrafterRecipe(**{**recipe.__dict__, "lr": 4e-3, "anchors": 3})
+    with pytest.raises(ValueError, match=r"another recipe \(anchors: saved 2, now 3, lr: saved "
+                                         r"0.003, now 0.004\)"):
+        train.train_drafter(target, tiny_drafter(block_size=8), stream, other, str(tmp_path),
+                            resume=True, quiet=True)

@@ -26,6 +26,13 @@ namespace ddtree {
 
 DDTREE_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// v clamped into [lo, hi] (lo <= hi). The kernels and CPU loops pass every data-dependent index,
+// length and count through it (or skip the item): with the ops' value checks off, an out-of-range
+// input gives an unspecified result but never an access outside the tensors.
+DDTREE_HOST_DEVICE int64_t clamp_index(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : v > hi ? hi : v;
+}
+
 // Bit-packed visibility rows: bit j of row i (little-endian within 32-bit words) = vis[i, j].
 DDTREE_HOST_DEVICE int64_t packed_words(int64_t n) { return ceil_div(n, 32); }
 

@@ -45,8 +45,17 @@ DDTREE_HOST_DEVICE void norm_rope_row(float* x, int64_t d, const float* w, float
 
 // Valid new context rows of request b: rows [context_len, context) of k_new / v_new are padding
 // (a batch whose requests bring different numbers of new rows), neither attended nor cached.
+// Clamped into [0, min(context, S)]; the cached rows (draft_cached_len) make room for them.
 DDTREE_HOST_DEVICE int64_t draft_context_len(const DraftAttentionParams& p, int64_t b) {
-  return p.context_len ? p.context_len[b] : p.context;
+  const int64_t limit = p.context < p.s_max ? p.context : p.s_max;
+  return p.context_len ? clamp_index(p.context_len[b], 0, limit) : limit;
+}
+
+// Committed cache rows of request b: cache_len[b] clamped so that they and the request's new
+// context rows fit the cache's S rows.
+DDTREE_HOST_DEVICE int64_t draft_cached_len(const DraftAttentionParams& p, int64_t b,
+                                            int64_t context_len) {
+  return clamp_index(p.cache_len[b], 0, p.s_max - context_len);
 }
 
 // Keys of request b: [0, cached) cache rows, then its context_len new context rows, then the Lq

@@ -28,6 +28,17 @@ DDTREE_HOST_DEVICE int64_t kv_destination(const CommitKvParams& p, int64_t b) {
   return p.dst_len ? p.dst_len[b] : p.past_len[b];
 }
 
+// Rows of request b's path that move: accept_len[b] clamped into [0, A].
+DDTREE_HOST_DEVICE int64_t kv_commit_len(const CommitKvParams& p, int64_t b) {
+  return clamp_index(p.accept_len[b], 0, p.accepted_stride);
+}
+
+// Whether the move of path entry j (cache row src -> dst) stays inside the cache; a move that
+// does not is skipped (only reachable with value checks off).
+DDTREE_HOST_DEVICE bool kv_move_in_range(const CommitKvParams& p, int64_t src, int64_t dst) {
+  return src >= 0 && src < p.seq && dst >= 0 && dst < p.seq;
+}
+
 // Offset (elements) of row s of head h of request b.
 DDTREE_HOST_DEVICE int64_t kv_row_offset(const CommitKvParams& p, int64_t b, int64_t h, int64_t s) {
   return b * p.stride_b + h * p.stride_h + s * p.stride_s;

@@ -22,7 +22,8 @@ struct TreeConvParams {
   const float* weight = nullptr;      // [C, W]
   const float* bias = nullptr;        // [C] or null
   const void* conv_pool = nullptr;    // [P, C, W] committed windows (dtype of x)
-  const int64_t* slots = nullptr;     // [B] pool row of each request
+  int64_t pool_size = 0;              // P >= 1
+  const int64_t* slots = nullptr;     // [B] pool row of each request (clamped into [0, P))
   const int64_t* parents = nullptr;   // [B, N]
   const int64_t* num_nodes = nullptr; // [B]
   int64_t batch = 0, n = 0, channels = 0, width = 0;
@@ -49,6 +50,11 @@ DDTREE_HOST_DEVICE int conv_window_nodes(const int64_t* parents, int64_t count, 
   return have;
 }
 
+// Pool row of request b.
+DDTREE_HOST_DEVICE int64_t conv_pool_slot(const TreeConvParams& p, int64_t b) {
+  return clamp_index(p.slots[b], 0, p.pool_size - 1);
+}
+
 DDTREE_HOST_DEVICE float silu(float v) { return v / (1.f + expf(-v)); }
 
 // Output of channel c at node i of request b (window from conv_window_nodes).
@@ -56,7 +62,7 @@ DDTREE_HOST_DEVICE float tree_conv_value(const TreeConvParams& p, int64_t b, int
                                          const int64_t* anc, int have) {
   const int W = static_cast<int>(p.width);
   const int from_state = W - have;  // window[t] = committed[have + t] for t < from_state
-  const int64_t pool_row = (p.slots[b] * p.channels + c) * p.width;
+  const int64_t pool_row = (conv_pool_slot(p, b) * p.channels + c) * p.width;
   float acc = p.bias ? p.bias[c] : 0.f;
   for (int w = 0; w < W; ++w) {
     const float in = w < from_state ? load_elem(p.conv_pool, p.dtype, pool_row + have + w)
@@ -80,7 +86,8 @@ struct TreeGdnParams {
   const float* g = nullptr;           // [B, N, Hv] log decay
   const float* beta = nullptr;        // [B, N, Hv]
   float* state_pool = nullptr;        // [P, Hv, Dk, Dv] committed states (read; written by commit)
-  const int64_t* slots = nullptr;     // [B]
+  int64_t pool_size = 0;              // P >= 1
+  const int64_t* slots = nullptr;     // [B] (clamped into [0, P))
   const int64_t* parents = nullptr;   // [B, N]
   const int64_t* num_nodes = nullptr; // [B]
   int64_t batch = 0, n = 0, hk = 0, hv = 0, dk = 0, dv = 0;
@@ -204,16 +211,29 @@ DDTREE_HOST_DEVICE float gdn_column_step(float* col, int64_t dk, const float* kn
 
 DDTREE_HOST_DEVICE int64_t gdn_pool_column(const TreeGdnParams& p, int64_t b, int64_t h,
                                            int64_t d_k, int64_t d_v) {
-  return ((p.slots[b] * p.hv + h) * p.dk + d_k) * p.dv + d_v;
+  const int64_t slot = clamp_index(p.slots[b], 0, p.pool_size - 1);
+  return ((slot * p.hv + h) * p.dk + d_k) * p.dv + d_v;
 }
 
 DDTREE_HOST_DEVICE int64_t gdn_scratch_column(const TreeGdnParams& p, int64_t b, int64_t h,
                                               int64_t slot, int64_t d_v) {
-  return (((b * p.hv + h) * (p.max_depth + 1) + slot) * p.dv + d_v) * p.dk;
+  // A tree deeper than max_depth (only with value checks off) reuses the last slot.
+  const int64_t s = clamp_index(slot, 0, p.max_depth);
+  return (((b * p.hv + h) * (p.max_depth + 1) + s) * p.dv + d_v) * p.dk;
 }
 
 DDTREE_HOST_DEVICE int64_t gdn_token(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h) {
   return (b * p.n + i) * p.hv + h;
+}
+
+// Accepted rows request b's commit follows: accept_len[b] clamped into [0, A], cut before the
+// first entry that is not a tree row in [0, N).
+DDTREE_HOST_DEVICE int64_t commit_path_len(const TreeGdnParams& p, int64_t b) {
+  const int64_t* path = p.accepted + b * p.accepted_stride;
+  const int64_t len = clamp_index(p.accept_len[b], 0, p.accepted_stride);
+  for (int64_t j = 0; j < len; ++j)
+    if (path[j] < 0 || path[j] >= p.n) return j;
+  return len;
 }
 
 // commit_recurrent_: the GDN states (gdn.accepted / accept_len / accepted_stride set) and the
@@ -228,7 +248,7 @@ struct CommitRecurrentParams {
 DDTREE_HOST_DEVICE void commit_conv_channel(const TreeConvParams& p, const int64_t* path,
                                             int64_t len, int64_t b, int64_t c) {
   void* pool = const_cast<void*>(p.conv_pool);
-  const int64_t W = p.width, row = (p.slots[b] * p.channels + c) * W;
+  const int64_t W = p.width, row = (conv_pool_slot(p, b) * p.channels + c) * W;
   float window[kMaxConvWidth];
   for (int64_t w = 0; w < W; ++w) {
     const int64_t from_end = W - 1 - w;  // position counted back from the last path node

@@ -73,10 +73,10 @@ DDTREE_HOST_DEVICE bool tree_key_visible(const TreeAttentionParams& p, int64_t b
   return (p.packed[(b * p.n + i) * p.words + (t >> 5)] >> (t & 31)) & 1u;
 }
 
-// Number of keys a request's queries can see at most: past + N, capped by the cache length.
+// Number of keys a request's queries can see at most: past + N, capped by the cache length;
+// past_len outside [0, S] (only with value checks off) gives a count in [0, S] all the same.
 DDTREE_HOST_DEVICE int64_t tree_key_count(const TreeAttentionParams& p, int64_t b) {
-  const int64_t last = p.past_len[b] + p.n;
-  return last < p.s_max ? last : p.s_max;
+  return clamp_index(clamp_index(p.past_len[b], 0, p.s_max) + p.n, 0, p.s_max);
 }
 
 }  // namespace ddtree

@@ -103,7 +103,7 @@ DDTREE_HOST_DEVICE void build_tree_request(const BuildTreeParams& p, int64_t b,
   int64_t* tokens = p.node_tokens + b * n_rows;
   int64_t* parents = p.parents + b * n_rows;
   int64_t* depths = p.depths + b * n_rows;
-  const int64_t budget = p.budgets ? p.budgets[b] : p.budget;
+  const int64_t budget = p.budgets ? clamp_index(p.budgets[b], 0, p.budget) : p.budget;
 
   tokens[0] = p.root_tokens[b];
   parents[0] = -1;

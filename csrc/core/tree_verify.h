@@ -19,11 +19,17 @@ struct TreeWalkParams {
   int64_t* bonus = nullptr;               // [B] token emitted after the accepted path
 };
 
+// Real rows of request b: num_nodes[b] clamped into [1, N] (the root always counts).
+DDTREE_HOST_DEVICE int64_t walk_node_count(const TreeWalkParams& w, int64_t b) {
+  return clamp_index(w.num_nodes[b], 1, w.n);
+}
+
 // The child of `node` carrying `token`, or -1. Links are followed only towards larger indices
-// (children after parents, siblings increasing), so malformed links end the search.
+// below the node count (children after parents, siblings increasing), so malformed links end
+// the search.
 DDTREE_HOST_DEVICE int64_t find_child(const TreeWalkParams& w, int64_t b, int64_t node,
                                       int64_t token) {
-  const int64_t base = b * w.n, count = w.num_nodes[b];
+  const int64_t base = b * w.n, count = walk_node_count(w, b);
   for (int64_t c = w.first_child[base + node], prev = node; c > prev && c < count;
        prev = c, c = w.next_sibling[base + c])
     if (w.node_tokens[base + c] == token) return c;

@@ -10,7 +10,7 @@ void draft_attention_requests(const DraftAttentionParams& p, int64_t begin, int6
   const int64_t D = p.d, T = p.t, rep = p.hq / p.hkv;
   std::vector<float> keys_new(p.hkv * T * D), q(D), acc(D), score;
   for (int64_t b = begin; b < end; ++b) {
-    const int64_t cached = p.cache_len[b], ctx_len = draft_context_len(p, b);
+    const int64_t ctx_len = draft_context_len(p, b), cached = draft_cached_len(p, b, ctx_len);
     const int64_t total = cached + ctx_len + p.lq;
     // New key rows: norm + RoPE; context rows (and their values) go into the cache.
     for (int64_t kh = 0; kh < p.hkv; ++kh)

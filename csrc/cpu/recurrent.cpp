@@ -70,7 +70,7 @@ __attribute__((always_inline)) inline void commit_layers(const CommitRecurrentLa
   for (int64_t item = begin; item < end; ++item) {  // item = layer * B + request
     const CommitRecurrentParams layer = commit_layer(p, item / shape.batch);
     const TreeGdnParams& g = layer.gdn;
-    const int64_t b = item % shape.batch, len = g.accept_len[b];
+    const int64_t b = item % shape.batch, len = commit_path_len(g, b);
     const int64_t* path = g.accepted + b * g.accepted_stride;
     for (int64_t h = 0; g.state_pool && h < g.hv; ++h) {
       for (int64_t col = 0; col < g.dv; ++col)

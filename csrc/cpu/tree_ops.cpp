@@ -28,10 +28,11 @@ void commit_kv_slices(const CommitKvParams& p, int64_t begin, int64_t end) {
     const int64_t b = slice / p.heads % p.batch, h = slice % p.heads;
     const int64_t past = p.past_len[b], dst = kv_destination(p, b);
     const int64_t* path = p.accepted + b * p.accepted_stride;
-    for (int64_t j = 0; j < p.accept_len[b]; ++j) {
-      if (past + path[j] == dst + j) continue;
+    for (int64_t j = 0, len = kv_commit_len(p, b); j < len; ++j) {
+      const int64_t src = past + path[j];
+      if (src == dst + j || !kv_move_in_range(p, src, dst + j)) continue;
       std::memcpy(cache + kv_row_offset(p, b, h, dst + j) * p.elem_bytes,
-                  cache + kv_row_offset(p, b, h, past + path[j]) * p.elem_bytes, row_bytes);
+                  cache + kv_row_offset(p, b, h, src) * p.elem_bytes, row_bytes);
     }
   }
 }

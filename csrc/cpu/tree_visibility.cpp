@@ -11,7 +11,7 @@ namespace {
 template <class elem_t>
 void write_mask_row(elem_t* row, const TreeVisibilityParams& p, int64_t b, const uint32_t* bits) {
   const elem_t blocked = static_cast<elem_t>(p.mask_blocked);
-  const int64_t open = p.prefix_len ? std::min(p.prefix_len[b], p.past) : p.past;
+  const int64_t open = p.prefix_len ? clamp_index(p.prefix_len[b], 0, p.past) : p.past;
   std::memset(row, 0, open * sizeof(elem_t));
   for (int64_t c = open; c < p.past; ++c) row[c] = blocked;
   elem_t* tree = row + p.past;

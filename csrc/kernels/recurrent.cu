@@ -164,7 +164,7 @@ __device__ void commit_gdn_block(const TreeGdnParams& p, int64_t h, int64_t b, i
   const bool active = d_v < p.dv;
   float col[kPer];
   gdn_quad_load_pool<kDk>(p, b, h, d_v, col);
-  const int64_t len = p.accept_len[b];
+  const int64_t len = commit_path_len(p, b);
   for (int64_t j = 0; j < len; ++j) {
     const int64_t i = p.accepted[b * p.accepted_stride + j];
     gdn_load_qk_block<kDk>(p, b, i, h, nullptr, kn, red);
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kGdnThreads) commit_layers_kernel(const Commit
   }
   if (!c.conv.conv_pool) return;
   const int64_t* path = c.gdn.accepted + b * c.gdn.accepted_stride;
-  const int64_t len = c.gdn.accept_len[b];
+  const int64_t len = commit_path_len(c.gdn, b);
   for (int64_t ch = h * blockDim.x + threadIdx.x; ch < c.conv.channels; ch += gridDim.x * blockDim.x)
     commit_conv_channel(c.conv, path, len, b, ch);
 }

@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t kh = blockIdx.y, b = blockIdx.z / p.split.splits, split = blockIdx.z % p.split.splits;
   const WarpItem item = warp_item(p.lq, p.hq, p.hkv, kh);
-  const int64_t cached = p.cache_len[b], ctx_len = draft_context_len(p, b);
+  const int64_t ctx_len = draft_context_len(p, b), cached = draft_cached_len(p, b, ctx_len);
   const KeyRange range = split_keys<kChunk>(cached + ctx_len + p.lq, p.split.splits, split);
   const bool writer = blockIdx.x == 0;
   const uint16_t* q = static_cast<const uint16_t*>(p.q);

@@ -42,11 +42,11 @@ template <class elem_t>
 __global__ void commit_kv_kernel(const CommitKvParams p) {
   const int64_t h = blockIdx.x, b = blockIdx.y;
   elem_t* cache = static_cast<elem_t*>(p.caches[blockIdx.z]);
-  const int64_t past = p.past_len[b], dst = kv_destination(p, b), len = p.accept_len[b];
+  const int64_t past = p.past_len[b], dst = kv_destination(p, b), len = kv_commit_len(p, b);
   const int64_t* path = p.accepted + b * p.accepted_stride;
   for (int64_t j = 0; j < len; ++j) {
     const int64_t src = past + path[j];
-    if (src != dst + j) {
+    if (src != dst + j && kv_move_in_range(p, src, dst + j)) {
       const elem_t* from = cache + kv_row_offset(p, b, h, src);
       elem_t* to = cache + kv_row_offset(p, b, h, dst + j);
       for (int64_t d = threadIdx.x; d < p.dim; d += blockDim.x) to[d] = from[d];

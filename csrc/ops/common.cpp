@@ -3,7 +3,9 @@
 #include "cpu/tree_visibility.h"
 
 #include <algorithm>
-#include <atomic>
+#include <ATen/MemoryOverlap.h>
+
+#include <cstdlib>
 #include <cmath>
 #include <vector>
 #include <stdexcept>
@@ -17,11 +19,13 @@
 
 namespace ddtree {
 namespace {
-std::atomic<bool> g_validation{true};
+// Per thread: a generation that turns the checks off for its rounds does not turn them off for
+// another thread's calls.
+thread_local bool g_validation = true;
 }
 
-bool validation_enabled() { return g_validation.load(); }
-void set_validation(bool on) { g_validation.store(on); }
+bool validation_enabled() { return g_validation; }
+void set_validation(bool on) { g_validation = on; }
 
 bool should_validate_values(const at::Tensor& t) {
   if (!validation_enabled()) return false;
@@ -44,6 +48,43 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like) {
   TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like.device(),
               " like the other inputs, got ", t.device());
+}
+
+namespace {
+
+// [first, last] byte addresses a strided view can touch (empty views: none).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t extent = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * std::abs(t.stride(d));
+  return {base, base + static_cast<uintptr_t>((extent + 1) * t.element_size()) - 1};
+}
+
+}  // namespace
+
+void check_inplace_outputs(const char* op, const std::vector<NamedTensor>& outputs) {
+  for (const auto& [name, t] : outputs)
+    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, op, ": ", name,
+                " is written in place and must not be an expanded or self-overlapping view ",
+                "(strides ", t->strides(), " for shape ", t->sizes(), "); pass a real tensor, e.g. ",
+                ".contiguous()");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const at::Tensor& a = *outputs[i].second;
+    if (a.numel() == 0) continue;
+    for (size_t j = i + 1; j < outputs.size(); ++j) {
+      const at::Tensor& b = *outputs[j].second;
+      if (b.numel() == 0 || !a.is_alias_of(b)) continue;
+      const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+      bool shared = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
+      if (status == at::MemOverlapStatus::TooHard) {
+        const auto sa = byte_span(a), sb = byte_span(b);
+        shared = sa.first <= sb.second && sb.first <= sa.second;
+      }
+      TORCH_CHECK(!shared, op, ": ", outputs[i].first, " and ", outputs[j].first,
+                  " share memory; every tensor written in place must be a separate buffer (the ",
+                  "same tensor given twice would be updated twice)");
+    }
+  }
 }
 
 int64_t validate_tree_parents(const char* op, const at::Tensor& parents,

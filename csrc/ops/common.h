@@ -8,6 +8,8 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <functional>
 
@@ -23,7 +25,7 @@ enum class Backend { kCpu, kCuda, kEmulated };
 
 // Value checks that need the data (e.g. parent < own index) cost a device-to-host copy on CUDA:
 // they run when validation is on (the default) and the current stream is not being captured
-// into a CUDA graph.
+// into a CUDA graph. The setting belongs to the calling thread (default on).
 bool validation_enabled();
 void set_validation(bool on);
 bool should_validate_values(const at::Tensor& t);
@@ -68,6 +70,13 @@ struct DraftTreeTensors {
 };
 void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like);
+
+// The tensors an op writes in place (named, e.g. "caches[3]"): none may be an expanded or
+// self-overlapping view (stride 0: one element written for many), and no two may share memory.
+// Overlap that ATen cannot rule out for non-dense views counts as shared when the byte ranges
+// of one storage intersect.
+using NamedTensor = std::pair<std::string, const at::Tensor*>;
+void check_inplace_outputs(const char* op, const std::vector<NamedTensor>& outputs);
 
 // Host-side value checks of a padded tree batch: num_nodes (int64 [B]) in [0, N]; parents
 // (contiguous int32/int64 [B, N]) in [-1, i) for real rows and -1 for padding rows. Returns the

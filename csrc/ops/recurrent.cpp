@@ -37,6 +37,8 @@ TreeArgs prepare_tree_args(const char* op, const Tensor& parents, const Tensor& 
                            const Tensor& slots, int64_t B, int64_t N, int64_t pool_rows,
                            const Tensor& like) {
   TORCH_CHECK(N <= kMaxRows, op, ": trees of N = ", N, " rows exceed the supported ", kMaxRows);
+  TORCH_CHECK(B == 0 || pool_rows >= 1, op, ": the state pool has no rows (P = 0) for B = ", B,
+              " requests");
   check_index_tensor(op, "parents", parents);
   check_dims(op, "parents", parents, {B, N}, "[B, N]");
   check_index_tensor(op, "num_nodes", num_nodes);
@@ -103,6 +105,7 @@ TreeConvParams conv_params(const char* op, const Tensor& x, const Tensor& conv_s
   p.weight = weight_f.data_ptr<float>();
   p.bias = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   p.conv_pool = conv_state.data_ptr();
+  p.pool_size = conv_state.size(0);
   p.batch = x.size(0);
   p.n = x.size(1);
   p.channels = C;
@@ -206,6 +209,7 @@ GdnInputs prepare_gdn(const char* op, const Tensor* q, const Tensor& k, const Te
   p.g = in.g.data_ptr<float>();
   p.beta = in.beta.data_ptr<float>();
   p.state_pool = state.data_ptr<float>();
+  p.pool_size = state.size(0);
   p.batch = B;
   p.n = N;
   p.hk = Hk;
@@ -273,6 +277,7 @@ CommitLayer prepare_commit_layer(const char* op, const Tensor& state, const Tens
   p.conv.x = layer.conv_x.data_ptr();
   p.conv.dtype = logits_dtype(conv_x.scalar_type());
   p.conv.conv_pool = conv_state.data_ptr();
+  p.conv.pool_size = conv_state.size(0);
   p.conv.batch = B;
   p.conv.n = N;
   p.conv.channels = conv_x.size(2);
@@ -312,6 +317,14 @@ void commit_layers(const char* op, at::TensorList states, at::TensorList conv_st
                 conv_states[i].sizes());
     check_same_device(op, "every layer's k", k[i], k[0]);
   }
+  std::vector<NamedTensor> written;
+  const bool one = layers == 1;
+  for (size_t i = 0; i < layers; ++i) {
+    written.emplace_back(one ? std::string("state") : "states[" + std::to_string(i) + "]", &states[i]);
+    written.emplace_back(one ? std::string("conv_state") : "conv_states[" + std::to_string(i) + "]",
+                         &conv_states[i]);
+  }
+  check_inplace_outputs(op, written);
   const CommitRecurrentParams& first = prepared[0].params;
   const int64_t B = first.gdn.batch, N = first.gdn.n;
   check_index_tensor(op, "slots", slots);
@@ -326,6 +339,8 @@ void commit_layers(const char* op, at::TensorList states, at::TensorList conv_st
     check_same_device(op, name, *t, k[0]);
   const Tensor sl = as_long(slots), path = as_long(accepted), len = as_long(accept_len);
   const int64_t A = path.size(1);
+  TORCH_CHECK(B == 0 || (states[0].size(0) >= 1 && conv_states[0].size(0) >= 1), op,
+              ": the state pools have no rows (P = 0) for B = ", B, " requests");
   if (B > 0 && should_validate_values(k[0])) {
     TORCH_CHECK(sl.min().item<int64_t>() >= 0 && sl.max().item<int64_t>() < states[0].size(0) &&
                     sl.max().item<int64_t>() < conv_states[0].size(0),

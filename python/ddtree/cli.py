@@ -23,6 +23,33 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class UsageError(ValueError):
+    """A command-line input the command cannot use; main() prints it without a traceback."""
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def model_dir(flag: str, path: str) -> str:
+    """`path` as a local model directory (with a config.json), or a UsageError naming the flag."""
+    if not os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r}: no such directory (local Hugging Face model "
+                         f"directories only; 'embedded' names the embedded pair)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"{flag} {path!r}: the directory has no config.json")
+    return path
+
+
 def _load(args):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,8 +60,10 @@ def _load(args):
 
     dtype = DTYPES[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target_path = str(embedded.target_dir()) if args.target == "embedded" else args.target
-    draft_path = str(embedded.drafter_dir()) if args.draft == "embedded" else args.draft
+    target_path = str(embedded.target_dir()) if args.target == "embedded" else \
+        model_dir("--target", args.target)
+    draft_path = str(embedded.drafter_dir()) if args.draft == "embedded" else \
+        model_dir("--draft", args.draft) if args.draft else None
     if args.tensor_parallel or distributed.is_torchrun():
         # Every rank loads its shard (the device follows LOCAL_RANK); the drafter is replicated.
         target = distributed.load_tensor_parallel(target_path, dtype)
@@ -89,11 +118,18 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from .generate import generate_batch
 
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     target, tokenizer, drafter, device = _load(args)
-    with open(args.prompts) as f:
-        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    try:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompts {args.prompts!r}: not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise UsageError(f"--prompts {args.prompts!r}: cannot be read ({e.strerror})") from None
     if not prompts:
-        raise SystemExit(f"ddtree bench: no prompts in {args.prompts}")
+        raise UsageError(f"--prompts {args.prompts!r}: no prompts in the file")
     try:
         from tqdm import tqdm
     except ImportError:  # progress bars are optional
@@ -101,8 +137,6 @@ def cmd_bench(args) -> int:
             return x
     rows = []
     reference = {}
-    if args.batch_size < 1:
-        raise SystemExit(f"ddtree bench: --batch-size must be >= 1, got {args.batch_size}")
     encoded = [_encode(tokenizer, prompt, device)[0] for prompt in prompts]
     groups = [list(range(i, min(i + args.batch_size, len(encoded))))
               for i in range(0, len(encoded), args.batch_size)]
@@ -164,8 +198,8 @@ def main(argv=None) -> int:
                        help="target model directory (HF format), or 'embedded'")
         p.add_argument("--draft", required=name == "bench",
                        help="DFlash drafter directory, or 'embedded'")
-        p.add_argument("--budget", type=int, default=64)
-        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--budget", type=_int_at_least(0), default=64)
+        p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
         p.add_argument("--device", default=None)
         p.add_argument("--tree-attention", action="store_true",
@@ -191,10 +225,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and args.mode != "autoregressive" and not args.draft:
         parser.error("--draft is required unless --mode autoregressive")
-    if args.command == "train-drafter":
-        return args.func(args)
+    command = {"generate": cmd_generate, "bench": cmd_bench}.get(args.command) or args.func
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+        return command(args)
+    except (UsageError, ValueError, FileNotFoundError, FloatingPointError) as e:
+        # Bad input (arguments, files, checkpoints, a diverging training run): the message names
+        # it; no traceback. Anything else is a bug and keeps its traceback.
+        print(f"ddtree {args.command}: error: {e}", file=sys.stderr)
+        return 2
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -16,6 +16,7 @@ verify step and the drafter's step are captured once as CUDA graphs and replayed
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Protocol
@@ -196,37 +197,76 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
     optimal tree of `budget` nodes, "autoregressive" runs the target alone. cuda_graph=True
     (CUDA) captures the verify step and the drafter's step once and replays them every round.
     (One request of generate_batch.)"""
+    if not isinstance(input_ids, torch.Tensor):
+        if not isinstance(input_ids, (list, tuple)):
+            raise TypeError(f"generate: input_ids must be a [1, P] tensor (or a list of token ids), "
+                            f"got {type(input_ids).__name__}")
+        input_ids = _as_token_ids("input_ids", input_ids)
+        input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be a non-empty [1, P] prompt, got shape "
                          f"{tuple(input_ids.shape)}")
     if input_ids.shape[0] != 1:
         raise ValueError("generate: input_ids must hold one prompt [1, P]; for a batch pass a list of "
                          "prompts to generate_batch (they may differ in length)")
-    if budget < 0:
-        raise ValueError(f"generate: budget must be >= 0, got {budget}")
     return generate_batch(target, drafter, [input_ids[0]], max_new_tokens, mode, budget,
                           temperature, top_k, top_p, stop_token_ids, seed,
                           (lambda _, new: streamer(new)) if streamer else None, cuda_graph)[0]
 
 
+_MAX_SEED = 2**43  # request b's Philox key is seed * 1000003 + b (int64)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_token_ids(name: str, value) -> torch.Tensor:
+    """A prompt as an int64 tensor; a clear error for anything that is not integer token ids."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"generate: {name} must be token ids (a list of ints or an integer tensor): "
+                        f"{e}") from None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"generate: {name} must hold integer token ids, got dtype {t.dtype}")
+    return t.long()
+
+
 def _check_request(target, drafter, prompts, max_new_tokens, mode, budget, temperature, top_k,
-                   top_p):
+                   top_p, seed, stop_token_ids):
     """The API boundary's checks (the rounds run the ops without value checks); returns (prompts
-    as 1-D long tensors, budgets, is_hybrid)."""
+    as 1-D long tensors, budgets, is_hybrid, stop token ids)."""
     if mode not in MODES:
         raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_int(top_k) or not all(isinstance(x, numbers.Real) and not isinstance(x, bool)
+                                     for x in (temperature, top_p)):
+        raise ValueError(f"generate: temperature and top_p must be numbers and top_k an integer; got "
+                         f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}")
     if not math.isfinite(temperature) or top_k < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"generate: sampling needs a finite temperature (<= 0: greedy), top_k >= 0 "
                          f"and 0 < top_p <= 1; got temperature={temperature}, top_k={top_k}, "
                          f"top_p={top_p}")
-    prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"generate_batch: prompts must be a list of prompts (token lists or 1-D "
+                        f"tensors), got {type(prompts).__name__}")
+    prompts = [_as_token_ids(f"prompt {i}", p).reshape(-1) for i, p in enumerate(prompts)]
     if not prompts or any(p.numel() == 0 for p in prompts):
         raise ValueError("generate: every prompt must be non-empty")
-    budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
-    if len(budgets) != len(prompts) or min(budgets) < 0:
-        raise ValueError("generate: budget must be >= 0, one int or one per prompt")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    budgets = [budget] * len(prompts) if _is_int(budget) else \
+        list(budget) if isinstance(budget, (list, tuple)) else None
+    if budgets is None or len(budgets) != len(prompts) or \
+            not all(_is_int(b) and b >= 0 for b in budgets):
+        raise ValueError(f"generate: budget must be an integer >= 0 or a list of one per prompt "
+                         f"({len(prompts)}), got {budget!r}")
+    budgets = [int(b) for b in budgets]
+    if not _is_int(seed) or not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"generate: seed must be an integer in [0, {_MAX_SEED}], got {seed!r}")
+    stops = list(stop_token_ids)
+    if not all(_is_int(t) for t in stops):
+        raise ValueError(f"generate: stop_token_ids must be integers, got {stops!r}")
     is_hybrid = _check_target(target)
     vocab = target.get_input_embeddings().num_embeddings
     for i, p in enumerate(prompts):
@@ -249,7 +289,7 @@ def _check_request(target, drafter, prompts, max_new_tokens, mode, budget, tempe
                             f"protocol (block_size, check_target, begin); "
                             f"{type(drafter).__name__} lacks {', '.join(missing)}")
         drafter.check_target(target)
-    return prompts, budgets, is_hybrid
+    return prompts, budgets, is_hybrid, stops
 
 
 class _Requests:
@@ -320,8 +360,9 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     request's valid length and the tree's start row are padding (masked). A finished request
     stops advancing (nothing of it is committed any more). Returns one GenerationResult per
     request; streamer(request, new_tokens)."""
-    prompts, budgets, is_hybrid = _check_request(target, drafter, prompts, max_new_tokens, mode,
-                                                 budget, temperature, top_k, top_p)
+    prompts, budgets, is_hybrid, stops = _check_request(
+        target, drafter, prompts, max_new_tokens, mode, budget, temperature, top_k, top_p, seed,
+        stop_token_ids)
     started = time.perf_counter()
     device = target.get_input_embeddings().weight.device
     batch, depth = len(prompts), (drafter.block_size - 1 if mode != "autoregressive" else 0)
@@ -341,14 +382,14 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     last, prompt_hidden = verifier.prefill(prompts)
     valid = torch.tensor([p.numel() for p in prompts], device=device)
     bonus = sampler.verify(root_tree(torch.stack([p[-1] for p in prompts]), valid)[0], last).bonus
-    requests = _Requests(bonus.tolist(), max_new_tokens, set(int(t) for t in stop_token_ids),
+    requests = _Requests(bonus.tolist(), max_new_tokens, set(int(t) for t in stops),
                          streamer, device)
     draft = _NoDrafter() if mode == "autoregressive" else \
         drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
     budget_t = torch.tensor(budgets, device=device)
     check_ranks = distributed.rank_check(target)
     clock = _StageClock(device)
-    with validation(False), verifier.hybrid_layers():
+    with validation(False):
         while not requests.all_finished():
             clock.mark(new_round=True)
             draft_logits = draft.step(bonus)

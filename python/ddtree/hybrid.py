@@ -7,14 +7,15 @@ transformers' cache objects (`cache.layers[i].conv_states[0]` [B, C, W],
 `.recurrent_states[0]` [B, Hv, Dk, Dv]). Nothing is written to the cache during the pass;
 `commit` then moves each layer's conv window and recurrent state along the accepted path. The tree
 comes with the call (transformers passes the forward's `ddtree_tree` keyword down to these
-modules); for the length of a generation the modules' forward accepts that keyword
-(`tree_layers`), and without it runs the class's own forward: prefill and plain decoding are
-unchanged.
+modules). `install_tree_dispatch` gives each Gated DeltaNet class, once per process, a forward
+that takes the tree path when the keyword is there and otherwise calls the class's own forward
+unchanged (prefill, plain decoding, other users of the model). Nothing is switched per
+generation, so generations on one model may run in several threads at once.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
+import threading
 from typing import List
 
 import torch
@@ -47,14 +48,11 @@ def gated_delta_layers(model) -> List[torch.nn.Module]:
     return [m for m in model.modules() if is_gated_delta_net(m)]
 
 
-def _tree_forward(module, hidden_states, cache_params=None, attention_mask=None,
-                  ddtree_tree=None, **kwargs):
-    """The module's forward, except inside a verify pass (a TreeBatch in `ddtree_tree`): then the
-    conv and the recurrence run over the tree from the committed states (not modified), and the
-    tensors the commit needs are left in ddtree_tree.recurrent[layer index]."""
-    if ddtree_tree is None:
-        return type(module).forward(module, hidden_states, cache_params=cache_params,
-                                    attention_mask=attention_mask, **kwargs)
+def _tree_forward(module, hidden_states, cache_params, attention_mask=None, *, ddtree_tree,
+                  **kwargs):
+    """The module's forward inside a verify pass (a TreeBatch in `ddtree_tree`): the conv and the
+    recurrence run over the tree from the committed states (not modified), and the tensors the
+    commit needs are left in ddtree_tree.recurrent[layer index]."""
     tree = ddtree_tree
     b, n, _ = hidden_states.shape
     layer = cache_params.layers[module.layer_idx]
@@ -77,18 +75,28 @@ def _tree_forward(module, hidden_states, cache_params=None, attention_mask=None,
     return module.out_proj(core.reshape(b, n, -1))
 
 
-@contextlib.contextmanager
-def tree_layers(model):
-    """Within the block every Gated DeltaNet module of `model` accepts the `ddtree_tree` keyword
-    (see _tree_forward); afterwards the class's forward is back."""
-    modules = gated_delta_layers(model)
-    for m in modules:
-        m.forward = functools.partial(_tree_forward, m)
-    try:
-        yield
-    finally:
-        for m in modules:
-            del m.forward
+_INSTALL_LOCK = threading.Lock()
+
+
+def _dispatching_forward(class_forward):
+    @functools.wraps(class_forward)
+    def forward(module, hidden_states, *args, ddtree_tree=None, **kwargs):
+        if ddtree_tree is None:
+            return class_forward(module, hidden_states, *args, **kwargs)
+        return _tree_forward(module, hidden_states, *args, ddtree_tree=ddtree_tree, **kwargs)
+
+    forward.ddtree_tree_dispatch = True
+    return forward
+
+
+def install_tree_dispatch(model) -> None:
+    """Every Gated DeltaNet class of `model` takes the `ddtree_tree` keyword (see _tree_forward).
+    Idempotent and thread-safe; installed once per class and never removed (without the keyword
+    the class's forward runs as before)."""
+    with _INSTALL_LOCK:
+        for cls in {type(m) for m in gated_delta_layers(model)}:
+            if not getattr(cls.forward, "ddtree_tree_dispatch", False):
+                cls.forward = _dispatching_forward(cls.forward)
 
 
 def commit(cache, tree, verdict: ops.GreedyVerdict) -> None:

@@ -1,6 +1,7 @@
 """Typed wrappers over ``torch.ops.ddtree.*`` (schemas live in csrc/registration.cpp)."""
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -183,6 +184,8 @@ def draft_to_tree(
     for the optimal tree (SPEC §3). With vocab_shard (ddtree.distributed.VocabShard), the logits
     are this rank's vocabulary columns [B, L, V_local] and the top-k is the sharded one (the same
     result on every rank)."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+        raise ValueError(f"draft_to_tree: budget must be an integer >= 0, got {budget!r}")
     vocab = draft_logits.shape[-1] if vocab_shard is None else vocab_shard.vocab_size
     k = min(int(budget), vocab, 1024) if k is None else int(k)
     topk = tree_topk if vocab_shard is None else vocab_shard.tree_topk

@@ -99,12 +99,14 @@ def train_tokenizer(texts: List[str], vocab_size: int):
 
 
 def token_stream(tokenizer, texts: List[str]) -> torch.Tensor:
-    """All texts encoded and concatenated, each followed by the end-of-text token: int64 [T]."""
+    """All texts encoded and concatenated, each followed by the end-of-text token (when the
+    tokenizer has one): int64 [T]."""
     eos = tokenizer.eos_token_id
     ids: List[int] = []
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
-        ids.append(eos)
+        if eos is not None:
+            ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -126,29 +128,54 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 class _Run:
-    """Progress bar, a JSON-lines loss log and a resumable state file in `out`."""
+    """Progress bar, a JSON-lines loss log and a resumable state file in `out`. The state holds
+    the recipe it was trained with: a resume under another recipe is refused."""
 
-    def __init__(self, out: str, name: str, steps: int, quiet: bool):
+    def __init__(self, out: str, name: str, steps: int, quiet: bool, recipe: dict):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.state_path = self.out / f"{name}_state.pt"
         self.log_path = self.out / f"{name}_log.jsonl"
-        self.steps, self.quiet, self.name = steps, quiet, name
+        self.steps, self.quiet, self.name, self.recipe = steps, quiet, name, recipe
 
     def resume(self, model, opt, g: torch.Generator) -> int:
+        """Loads the state (if any) and cuts the loss log back to its step; returns that step."""
         if not self.state_path.exists():
             return 0
         state = torch.load(self.state_path, weights_only=False)
+        saved = state.get("recipe")
+        if saved is None:
+            raise ValueError(f"{self.state_path}: holds no recipe, so the resume cannot be checked; "
+                             f"start again without --resume")
+        changed = {k: (saved.get(k), v) for k, v in self.recipe.items() if saved.get(k) != v}
+        if changed:
+            diff = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(changed.items()))
+            raise ValueError(f"{self.state_path}: was trained with another recipe ({diff}); resume "
+                             f"with the saved settings or start again without --resume")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         g.set_state(state["generator"])
-        return int(state["step"])
+        step = int(state["step"])
+        self._truncate_log(step)
+        return step
+
+    def _truncate_log(self, step: int) -> None:
+        if not self.log_path.exists():
+            return
+        with open(self.log_path, encoding="utf-8") as f:
+            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        from .models.dflash import atomic_path
+
+        with atomic_path(str(self.log_path)) as tmp:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(rows)
 
     def save(self, model, opt, g: torch.Generator, step: int) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(),
-                        generator=g.get_state(), step=step), tmp)
-        os.replace(tmp, self.state_path)
+        from .models.dflash import atomic_path
+
+        with atomic_path(str(self.state_path)) as tmp:
+            torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict(),
+                            generator=g.get_state(), step=step, recipe=self.recipe), tmp)
 
     def bar(self, first: int):
         from tqdm import tqdm
@@ -157,12 +184,13 @@ class _Run:
                     disable=self.quiet, mininterval=2.0)
 
     def log(self, **row) -> None:
-        with open(self.log_path, "a") as f:
+        with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
 
 def _optimise(model, params, steps, lr, warmup, loss_fn, run: _Run, g, resume, save_every):
-    """The shared training loop: AdamW (0.9, 0.95, wd 0.1), clip 1.0, lr schedule, log, resume."""
+    """The shared training loop: AdamW (0.9, 0.95, wd 0.1), clip 1.0, lr schedule, log, resume.
+    A NaN / inf loss stops it (FloatingPointError) before the step is taken."""
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     first = run.resume(model, opt, g) if resume else 0
     if not resume and run.log_path.exists():
@@ -173,11 +201,17 @@ def _optimise(model, params, steps, lr, warmup, loss_fn, run: _Run, g, resume, s
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         loss = loss_fn()
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"{run.name} training: the loss is {value} at step {step + 1} (lr "
+                f"{opt.param_groups[0]['lr']:.3g}); stopped. The last state saved is "
+                f"{run.state_path if run.state_path.exists() else 'none'}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(value)
         if (step + 1) % 10 == 0 or step + 1 == steps:
             mean = sum(losses) / len(losses)
             losses = []
@@ -206,7 +240,7 @@ def train_target(model, stream: torch.Tensor, recipe: TargetRecipe, out: str, re
                  quiet=False, save_every=200) -> float:
     """Next-token training of `model` on random windows of `stream`; returns seconds."""
     g = torch.Generator().manual_seed(recipe.seed)
-    run = _Run(out, "target", recipe.steps, quiet)
+    run = _Run(out, "target", recipe.steps, quiet, asdict(recipe))
     model.train()
 
     def loss_fn():
@@ -236,6 +270,22 @@ class DrafterRecipe:
     lr: float = 2e-3
     warmup: int = 60
     seed: int = 0
+
+    def check(self) -> None:
+        """ValueError naming the first setting out of range (CLI flag names)."""
+        for name in ("steps", "batch", "anchors", "sequences", "prompt_len", "gen_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train-drafter: --{name.replace('_', '-')} must be an integer "
+                                 f">= 1, got {value!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"train-drafter: warmup must be an integer >= 0, got {self.warmup!r}")
+        for name in ("gamma", "lr"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"train-drafter: --{name} must be a finite number > 0, got {value!r}")
+        if self.labels not in ("greedy", "data"):
+            raise ValueError(f"train-drafter: --labels must be 'greedy' or 'data', got {self.labels!r}")
 
 
 @torch.no_grad()
@@ -347,6 +397,7 @@ def train_drafter(target, drafter, stream: torch.Tensor, recipe: DrafterRecipe, 
                   resume=False, quiet=False, save_every=200) -> dict:
     """Trains `drafter` (in place) against the frozen `target`; saves it to `out` in the DFlash
     checkpoint format with the recipe. Returns timings."""
+    recipe.check()
     target.eval().requires_grad_(False)
     drafter.check_target(target)
     t0 = time.perf_counter()
@@ -357,7 +408,7 @@ def train_drafter(target, drafter, stream: torch.Tensor, recipe: DrafterRecipe, 
     if last_anchor < first_anchor:
         raise ValueError("train-drafter: sequences are shorter than one block after the first anchor")
     g = torch.Generator().manual_seed(recipe.seed)
-    run = _Run(out, "drafter", recipe.steps, quiet)
+    run = _Run(out, "drafter", recipe.steps, quiet, asdict(recipe))
     drafter.train()
 
     def loss_fn():
@@ -375,9 +426,51 @@ def train_drafter(target, drafter, stream: torch.Tensor, recipe: DrafterRecipe, 
     drafter.save_pretrained(out)
     info = dict(recipe=asdict(recipe), data_seconds=round(t_data, 1),
                 train_seconds=round(t_train, 1))
-    with open(os.path.join(out, "training.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    from .models.dflash import atomic_path
+
+    with atomic_path(os.path.join(out, "training.json")) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
     return info
+
+
+# What `train-drafter` writes into --out (the drafter, its recipe, the resumable state, the loss
+# log); temporary files are ".<name>.<pid>.<tag>.tmp".
+DRAFTER_OUTPUTS = ("config.json", "model.safetensors", "training.json", "drafter_state.pt",
+                   "drafter_log.jsonl")
+
+
+def check_output_dir(out: str, target: str, overwrite: bool) -> None:
+    """Refuses an --out that is (or lies inside) the target's directory, always, and without
+    overwrite one that holds anything but this command's own earlier output."""
+    from .cli import UsageError
+
+    out_path, target_path = Path(out).resolve(), Path(target).resolve()
+    if out_path == target_path or target_path in out_path.parents:
+        raise UsageError(f"--out {out!r} is inside the target's directory {target!r}: the drafter "
+                         f"would overwrite the target's files; choose another directory")
+    if not out_path.exists():
+        return
+    if not out_path.is_dir():
+        raise UsageError(f"--out {out!r} exists and is not a directory")
+    foreign = sorted(name for name in os.listdir(out_path) if name not in DRAFTER_OUTPUTS and
+                     not (name.startswith(".") and name.endswith(".tmp")))
+    config = out_path / "config.json"
+    if config.exists() and not _is_drafter_config(config):
+        foreign.append("config.json (not a DFlash drafter's)")
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise UsageError(f"--out {out!r} holds files that are not train-drafter output ({shown}); "
+                         f"choose an empty directory or pass --overwrite")
+
+
+def _is_drafter_config(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "dflash_config" in config
 
 
 def cmd_train_drafter(args) -> int:
@@ -387,6 +480,18 @@ def cmd_train_drafter(args) -> int:
 
     from .models import DFlashDrafter
 
+    from .cli import UsageError, model_dir
+
+    recipe = DrafterRecipe(steps=args.steps, batch=args.batch, anchors=args.anchors,
+                           sequences=args.sequences, prompt_len=args.prompt_len,
+                           gen_len=args.gen_len, labels=args.labels, gamma=args.gamma, lr=args.lr,
+                           seed=args.seed)
+    recipe.check()
+    if args.layers < 1 or not 2 <= args.block_size <= 33:
+        raise UsageError(f"--layers must be >= 1 and --block-size in [2, 33], got {args.layers} and "
+                         f"{args.block_size}")
+    model_dir("--target", args.target)
+    check_output_dir(args.out, args.target, args.overwrite)
     torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
@@ -395,14 +500,10 @@ def cmd_train_drafter(args) -> int:
     if mask_id is None:
         mask_id = tokenizer.mask_token_id
     if mask_id is None:
-        raise SystemExit("ddtree train-drafter: the tokenizer has no mask token; pass --mask-token-id")
+        raise UsageError("the tokenizer has no mask token; pass --mask-token-id")
     cfg = drafter_config_for(target, args.layers, mask_id, args.block_size, args.target_layer_ids)
     drafter = DFlashDrafter(cfg).to(device)
     stream = token_stream(tokenizer, corpus_texts(args.corpus))
-    recipe = DrafterRecipe(steps=args.steps, batch=args.batch, anchors=args.anchors,
-                           sequences=args.sequences, prompt_len=args.prompt_len,
-                           gen_len=args.gen_len, labels=args.labels, gamma=args.gamma, lr=args.lr,
-                           seed=args.seed)
     info = train_drafter(target, drafter, stream, recipe, args.out, resume=args.resume,
                          quiet=args.quiet)
     print(f"[ddtree] drafter saved to {args.out} (data {info['data_seconds']} s, training "
@@ -427,6 +528,9 @@ def add_train_drafter_parser(sub) -> None:
     p.add_argument("--gamma", type=float, default=d.gamma)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--resume", action="store_true", help="continue from OUT/drafter_state.pt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into --out even when it holds other files (never the target's "
+                        "directory)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_train_drafter)

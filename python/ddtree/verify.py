@@ -13,7 +13,6 @@ modules run over the tree (ddtree.hybrid) and `commit` moves them along the acce
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional
 
 import torch
@@ -62,6 +61,8 @@ class TargetVerifier:
         # logits (the LM head's gather skipped); the walk takes their sharded top-1.
         self.vocab_shard = vocab_shard
         self.max_cache_len, self.is_hybrid, self.use_graph = max_cache_len, is_hybrid, cuda_graph
+        if is_hybrid:  # GDN modules take the tree keyword (ddtree.hybrid)
+            hybrid.install_tree_dispatch(target)
         self.dtype = target.get_input_embeddings().weight.dtype
         self.packed_mask = hf.uses_tree_attention(target)
         long = dict(dtype=torch.long, device=device)
@@ -156,6 +157,3 @@ class TargetVerifier:
         if self.is_hybrid:
             hybrid.commit(self.cache, t, verdict)
 
-    def hybrid_layers(self):
-        """Context for the generation: GDN modules accept the tree keyword (ddtree.hybrid)."""
-        return hybrid.tree_layers(self.target) if self.is_hybrid else contextlib.nullcontext()

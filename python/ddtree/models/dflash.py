@@ -6,9 +6,11 @@ drafter has no embedding and no LM head: it uses the target's.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -34,19 +36,87 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
             for i in range(num_draft_layers)]
 
 
-def dflash_config(config: dict) -> Qwen3Config:
-    """A Qwen3Config carrying the DFlash fields (block_size, num_target_layers, dflash_config)."""
-    cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map")})
-    cfg.block_size = int(config.get("block_size", 16))
-    cfg.num_target_layers = int(config["num_target_layers"])
-    extra = dict(config.get("dflash_config") or {})
+MAX_BLOCK_SIZE = 33  # the root + 32 draft depths (build_tree's deepest tree)
+
+
+def _positive_int(config: dict, field: str, where: str, minimum: int = 1) -> int:
+    value = config.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: field '{field}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def dflash_config(config: dict, where: str = "DFlash config") -> Qwen3Config:
+    """A Qwen3Config carrying the DFlash fields (block_size, num_target_layers, dflash_config),
+    checked: errors name `where` (e.g. the config file) and the field."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if field in config:
+            _positive_int(config, field, where)
+    num_target_layers = _positive_int(config, "num_target_layers", where)
+    block_size = _positive_int({"block_size": config.get("block_size", 16)}, "block_size", where, 2)
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"{where}: field 'block_size' = {block_size} exceeds {MAX_BLOCK_SIZE} (the "
+                         f"root + at most {MAX_BLOCK_SIZE - 1} draft depths)")
+    extra = config.get("dflash_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where}: field 'dflash_config' must be an object, got {extra!r}")
+    extra = dict(extra)
     if "mask_token_id" not in extra:
-        raise ValueError("DFlash config: dflash_config.mask_token_id is required")
+        raise ValueError(f"{where}: field 'dflash_config.mask_token_id' is required")
+    _positive_int(extra, "mask_token_id", where + " dflash_config", 0)
+    cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map")})
+    cfg.block_size = block_size
+    cfg.num_target_layers = num_target_layers
     if not extra.get("target_layer_ids"):
         extra["target_layer_ids"] = default_target_layer_ids(cfg.num_target_layers,
                                                              cfg.num_hidden_layers)
+    ids = extra["target_layer_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                            and 0 <= i < num_target_layers for i in ids):
+        raise ValueError(f"{where}: field 'dflash_config.target_layer_ids' must list layer indices "
+                         f"in [0, num_target_layers = {num_target_layers}), got {ids!r}")
     cfg.dflash_config = extra
     return cfg
+
+
+def checkpoint_files(path: str) -> List[str]:
+    """The weight files a checkpoint directory declares: the shards named by
+    model.safetensors.index.json when it exists, else model.safetensors."""
+    index = os.path.join(path, WEIGHTS_NAME + ".index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object of "
+                             f"tensor name -> file; {type(e).__name__}: {e})") from None
+        for name in files:
+            if not isinstance(name, str) or os.path.basename(name) != name or \
+                    not os.path.isfile(os.path.join(path, name)):
+                raise FileNotFoundError(f"{index}: weight_map names {name!r}, which is not a file "
+                                        f"in {path}")
+        return files
+    if not os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
+        raise FileNotFoundError(f"DFlashDrafter.from_pretrained: no {WEIGHTS_NAME} (or "
+                                f"{WEIGHTS_NAME}.index.json) in {path}")
+    return [WEIGHTS_NAME]
+
+
+@contextlib.contextmanager
+def atomic_path(final: str):
+    """A temporary path next to `final` to write; renamed onto `final` when the block succeeds,
+    removed when it fails."""
+    directory, name = os.path.split(os.path.abspath(final))
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 class DFlashAttention(nn.Module):
@@ -207,16 +277,23 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
+        """Reads `path`/config.json and the weights the checkpoint declares: model.safetensors,
+        or the shards listed by model.safetensors.index.json (other files are ignored)."""
         from safetensors.torch import load_file
 
-        with open(os.path.join(path, CONFIG_NAME)) as f:
-            config = dflash_config(json.load(f))
-        model = cls(config)
-        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"DFlashDrafter.from_pretrained: no .safetensors file in {path}")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"DFlashDrafter.from_pretrained: {path!r} is not a directory")
+        config_path = os.path.join(path, CONFIG_NAME)
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"DFlashDrafter.from_pretrained: no {CONFIG_NAME} in {path}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+        model = cls(dflash_config(raw, config_path))
         state = {}
-        for name in files:
+        for name in checkpoint_files(path):
             for key, tensor in load_file(os.path.join(path, name)).items():
                 state[key[len("model."):] if key.startswith("model.") else key] = tensor
         expected = {k for k in model.state_dict() if not k.startswith("rotary_emb.")}
@@ -229,6 +306,8 @@ class DFlashDrafter(nn.Module):
         return model.to(dtype).eval()
 
     def save_pretrained(self, path: str) -> None:
+        """config.json + model.safetensors, each written to a temporary file and renamed into
+        place (a crash leaves the old file or the new one, never half of one)."""
         from safetensors.torch import save_file
 
         os.makedirs(path, exist_ok=True)
@@ -236,11 +315,13 @@ class DFlashDrafter(nn.Module):
         config.update(architectures=["DFlashDraftModel"], block_size=self.block_size,
                       num_target_layers=self.config.num_target_layers,
                       dflash_config=dict(self.config.dflash_config))
-        with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=1, default=str)
         state = {k: v.contiguous() for k, v in self.state_dict().items()
                  if not k.startswith("rotary_emb.")}
-        save_file(state, os.path.join(path, WEIGHTS_NAME))
+        with atomic_path(os.path.join(path, WEIGHTS_NAME)) as tmp:
+            save_file(state, tmp)
+        with atomic_path(os.path.join(path, CONFIG_NAME)) as tmp:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=1, default=str)
 
     def check_target(self, target) -> None:
         """Clear errors when this drafter does not belong to `target`."""
