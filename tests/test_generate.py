@@ -32,7 +32,7 @@ def tiny_target(kind="qwen3", seed=0):
     return model.eval()
 
 
-def tiny_drafter(block_size=8, seed=1, layer_ids=None):
+def tiny_drafter(block_size=8, seed=1, layer_ids=None, target_layers=LAYERS):
     torch.manual_seed(seed)
     extra = {"mask_token_id": VOCAB - 1}
     if layer_ids is not None:
@@ -40,7 +40,7 @@ def tiny_drafter(block_size=8, seed=1, layer_ids=None):
     cfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              intermediate_size=128, block_size=block_size,
-                             num_target_layers=LAYERS, dflash_config=extra))
+                             num_target_layers=target_layers, dflash_config=extra))
     return DFlashDrafter(cfg).eval()
 
 
@@ -214,9 +214,13 @@ def test_drafter_target_mismatch_is_reported():
     bad_mask.mask_token_id = VOCAB + 5
     with pytest.raises(ValueError, match="mask_token_id 101 is outside the target vocabulary"):
         generate(target, bad_mask, torch.tensor([[1, 2]]), 4)
-    with pytest.raises(ValueError, match="feature layers"):
-        tiny_drafter(layer_ids=[9]).check_target(target)
-    with pytest.raises(ValueError, match="mask_token_id is required"):
+    with pytest.raises(ValueError, match="drafter expects a 12-layer target with feature layers "
+                                         r"\[9\]; target has 4 layers"):
+        tiny_drafter(layer_ids=[9], target_layers=12).check_target(target)
+    with pytest.raises(ValueError, match=r"target_layer_ids' must list layer indices in \[0, "
+                                         r"num_target_layers = 4\), got \[9\]"):
+        tiny_drafter(layer_ids=[9])
+    with pytest.raises(ValueError, match="mask_token_id' is required"):
         dflash_config(dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_target_layers=4))
 
 
@@ -252,7 +256,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="hidden_size"):
         generate(tiny_hybrid(), tiny_drafter_of(hidden=32), torch.tensor([[1]]), 4)
     with pytest.raises(ValueError, match="feature layers"):
-        generate(target, tiny_drafter(layer_ids=[1, 7]), torch.tensor([[1]]), 4)
+        generate(target, tiny_drafter(layer_ids=[1, 7], target_layers=8), torch.tensor([[1]]), 4)
     with pytest.raises(ValueError, match="mask_token_id 200 is outside the target vocabulary"):
         generate(target, tiny_drafter_of(mask=200), torch.tensor([[1]]), 4)
 

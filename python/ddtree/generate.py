@@ -228,7 +228,7 @@ def _as_token_ids(name: str, value) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(f"generate: {name} must be token ids (a list of ints or an integer tensor): "
                         f"{e}") from None
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+    if t.numel() > 0 and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise TypeError(f"generate: {name} must hold integer token ids, got dtype {t.dtype}")
     return t.long()
 
