@@ -55,5 +55,8 @@ PYTHONPATH=python timeout 180 "$PY" bench/bench_attention_gpu.py --json "$OUT/at
   | tee "$OUT/attention_gpu.txt" || status=1
 PYTHONPATH=python timeout 150 "$PY" bench/bench_loop_gpu.py --json "$OUT/loop_gpu.json" \
   | tee "$OUT/loop_gpu.txt" || status=1
+DDTREE_CACHE_DIR="$OUT/cache" PYTHONPATH=python timeout 150 "$PY" bench/bench_concurrency.py \
+  --batches 1 4 16 --requests 16 --new-tokens 64 --repeats 1 --json "$OUT/concurrency_gpu.json" \
+  2> "$OUT/concurrency_gpu.log" | tee "$OUT/concurrency_gpu.txt" || status=1
 echo "gpu_check: exit $status"
 exit $status

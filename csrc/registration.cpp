@@ -22,7 +22,7 @@ void define_public_ops(torch::Library& m) {
   m.def(
       "build_tree(Tensor logprobs, Tensor ids, Tensor root_tokens, int budget, "
       "Tensor? budgets=None) -> (Tensor node_tokens, Tensor parents, Tensor depths, "
-      "Tensor first_child, Tensor next_sibling, Tensor num_nodes)");
+      "Tensor first_child, Tensor next_sibling, Tensor num_nodes, Tensor path_logprobs)");
   m.def(
       "verify_greedy(Tensor node_tokens, Tensor first_child, Tensor next_sibling, "
       "Tensor num_nodes, Tensor target_tokens, int max_depth) -> "

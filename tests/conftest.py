@@ -1,5 +1,6 @@
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 import ddtree
 
 ROOT = Path(__file__).resolve().parents[1]
+# budget="auto" caches measured cost profiles on disk: the tests keep theirs apart.
+os.environ.setdefault("DDTREE_CACHE_DIR", tempfile.mkdtemp(prefix="ddtree-test-cache-"))
 
 
 def golden_dir() -> Path:

@@ -172,7 +172,7 @@ def test_loop_arguments_of_other_types_work_or_are_named():
     for kwargs, message in [
         (dict(max_new_tokens=3.5), "max_new_tokens must be an integer >= 1, got 3.5"),
         (dict(seed=2**62), r"seed must be an integer in \[0, 8796093022208\], got 4611686018427387904"),
-        (dict(budget="16"), "budget must be an integer >= 0 or a list of one per prompt"),
+        (dict(budget="16"), "budget must be an integer >= 0, a list of one per prompt"),
         (dict(budget=True), "budget must be an integer >= 0"),
         (dict(top_k=1.5), "top_k an integer"),
         (dict(stop_token_ids=["eos"]), "stop_token_ids must be integers"),

@@ -648,14 +648,35 @@ def test_loop_bad_input():
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
+class ScriptedBudgets:
+    """A budget="auto" policy that plays a fixed sequence of buckets (0 = autoregressive round)
+    and records the statistics each round hands back."""
+
+    def __init__(self, sequence):
+        self.sequence, self.choices, self.stats = list(sequence), [], []
+
+    def start(self, batch, depth, device):
+        pass
+
+    def choose(self):
+        bucket = self.sequence[len(self.choices) % len(self.sequence)]
+        self.choices.append(bucket)
+        return bucket
+
+    def observe(self, stats):
+        self.stats.append(stats)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive", "auto"])
 @pytest.mark.parametrize("tree_attention", [False, True], ids=["sdpa", "tree-attention"])
 def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
     """Every round of the loop (DFlash drafter, batch of 3 with a stop token and a streamer) reads
     from the device exactly once: Tensor.item / tolist / cpu / numpy / bool / int / float / index
-    are counted between the round's first and last stage marks. Inside the rounds the ops' value
-    checks are off; after the call they are back on."""
+    are counted between the round's first and last stage marks — budget="auto" included (its
+    bucket choice, calibration and statistics ride on that read; autoregressive and drafted
+    rounds mixed). Inside the rounds the ops' value checks are off; after the call they are back
+    on."""
     from ddtree import hf
     from ddtree.generate import _StageClock, generate_batch
 
@@ -685,8 +706,10 @@ def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
     monkeypatch.setattr(_StageClock, "mark", mark)
     streamed = {0: [], 1: [], 2: []}
     stop = truths[1][9]
-    results = generate_batch(target, tiny_drafter(), PROMPTS, 20, mode=mode, budget=[16, 8, 24],
-                             stop_token_ids=[stop], streamer=lambda b, new: streamed[b].extend(new))
+    budget = dict(mode="tree", budget="auto", policy=ScriptedBudgets([8, 0, 0, 16, 4, 0, 64])) \
+        if mode == "auto" else dict(mode=mode, budget=[16, 8, 24])
+    results = generate_batch(target, tiny_drafter(), PROMPTS, 20, stop_token_ids=[stop],
+                             streamer=lambda b, new: streamed[b].extend(new), **budget)
     monkeypatch.undo()
     assert [r.tokens for r in results] == [t[: t.index(stop) + 1] if stop in t else t
                                            for t in truths]

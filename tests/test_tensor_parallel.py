@@ -45,7 +45,8 @@ def test_the_lm_head_is_sharded_over_both_ranks(ranks):
     assert sum(s["local"] for s in shards) == shards[0]["vocab"] and shards[0]["world"] == WORLD
 
 
-@pytest.mark.parametrize("prefix", ["dense-tree", "dense-chain", "dense-oracle", "hybrid"])
+@pytest.mark.parametrize("prefix", ["dense-tree", "dense-chain", "dense-oracle", "dense-auto",
+                                    "hybrid"])
 def test_lossless_and_identical_on_every_rank(ranks, prefix):
     for name in cases(ranks, prefix):
         for r in ranks:

@@ -156,7 +156,7 @@ def draft_inputs(draw, max_batch=3, max_depth=6, max_k=6, max_budget=40):
 
 
 def check_tree_properties(out, budget, depth):
-    tokens, parents, depths, first_child, next_sibling, counts = out
+    tokens, parents, depths, first_child, next_sibling, counts = out[:6]
     batch = tokens.shape[0]
     assert tokens.shape == (batch, budget + 1) and counts.shape == (batch,)
     for b in range(batch):
@@ -179,8 +179,9 @@ def check_against_reference(backend, inputs):
     out = run(backend, "build_tree", *args)
     expected = reference.build_tree(values, ids, roots, budget, budgets)
     for got, exp, name in zip(out, expected, ("tokens", "parents", "depths", "first_child",
-                                             "next_sibling", "num_nodes")):
+                                             "next_sibling", "num_nodes", "path_logprobs")):
         assert torch.equal(got, exp), name
+    assert len(out) == len(expected) == 7
     check_tree_properties(out, budget, values.shape[1])
     # Sibling rank order: among children of one parent, lower index = better-ranked token.
     for b in range(values.shape[0]):
@@ -433,3 +434,39 @@ def test_commit_kv_layers_opcheck_and_bad_input():
         op([cache, cache.double()], past, accepted, lengths)
     with pytest.raises(RuntimeError, match=r"caches\[1\] must have the shape, strides and dtype"):
         op([cache, cache[:, :, :-1]], past, accepted, lengths)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_path_logprobs_sum_to_the_expected_accepted_nodes(backend):
+    """SPEC §3's objective, checked by simulation: when the target's token at depth d is drawn
+    from the drafter's own distribution q_d (depths independent), a node is accepted with
+    probability exp(path log-prob), so the mean number of accepted nodes of the best n-node tree
+    is the prefix sum of exp(path_logprobs) over rows 1..n (ops.expected_accepts), for every n."""
+    g = torch.Generator().manual_seed(5)
+    depth, vocab, budget, trials = 4, 5, 12, 20000
+    q = torch.randn(1, depth, vocab, generator=g).mul(1.5).softmax(-1)
+    lp, ids = q.log().sort(-1, descending=True)
+    dev = "cpu" if backend == "cpu" else kernel_device(backend)
+    tree = ddtree.build_tree(lp.to(dev), ids.to(dev), torch.tensor([0], device=dev), budget)
+    tree = ddtree.DraftTree(*(t.cpu() for t in tree))
+    want = reference.build_tree(lp, ids, torch.tensor([0]), budget)[6]
+    assert torch.equal(tree.path_logprobs, want)
+    rows = tree.path_logprobs[0, 1:]
+    assert (rows[1:] <= rows[:-1]).all()  # pop order: non-increasing
+    predicted = ddtree.expected_accepts(tree)[0]  # [N]: row i = expected accepted of rows 1..i
+    draws = torch.multinomial(q[0], trials, replacement=True, generator=g)  # [depth, trials]
+    for n in (1, 4, budget):
+        sub = ddtree.DraftTree(*(t[:, : n + 1] if t.dim() == 2 else t.clamp(max=n + 1)
+                                 for t in tree))
+        children = {}
+        for i in range(1, int(sub.num_nodes[0])):
+            children.setdefault(int(sub.parents[0, i]), {})[int(sub.node_tokens[0, i])] = i
+        accepted = 0
+        for t in range(trials):
+            node, d = 0, 0
+            while d < depth and int(draws[d, t]) in children.get(node, {}):
+                node = children[node][int(draws[d, t])]
+                accepted += 1
+                d += 1
+        mean = accepted / trials
+        assert abs(mean - float(predicted[n])) < 0.03 * max(1.0, float(predicted[n])), (n, mean)

@@ -306,7 +306,7 @@ def test_chain_tree_equals_draft_to_tree_with_k_1(threads):
         want, want_vis = ddtree.draft_to_tree(logits, roots, 15, start=torch.tensor([9]), k=1)
     finally:
         torch.set_num_threads(before)
-    for a, b in zip(tree + vis, want + want_vis):
+    for a, b in zip(tree[:6] + vis, want[:6] + want_vis):  # chain trees carry no path_logprobs
         assert torch.equal(a, b)
     assert int(tree.node_tokens[0, 8]) == 39999
 

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ddtree import distributed, embedded, ops, reference  # noqa: E402
 from ddtree.generate import generate, generate_batch  # noqa: E402
-from test_generate import BatchOracle, greedy_reference, tiny_drafter  # noqa: E402
+from ddtree import budget as cost_aware  # noqa: E402
+from test_generate import BatchOracle, ScriptedBudgets, greedy_reference, tiny_drafter  # noqa: E402
 
 
 class ShardedOracle(BatchOracle):
@@ -70,6 +71,16 @@ def main(out):
         run(results, f"dense-{mode}", tp, tiny_drafter(), prompt, 40, want, mode=mode, budget=16)
         run(results, f"dense-oracle-{mode}", tp, ShardedOracle([want], [3], seed=1), prompt, 40,
             want, mode=mode, budget=16)
+    # budget="auto": autoregressive and drafted rounds of every size mixed (a scripted policy, the
+    # same on every rank), and the real policy with one cost profile.
+    run(results, "dense-auto-scripted", tp, tiny_drafter(), prompt, 40, want, budget="auto",
+        policy=ScriptedBudgets([0, 8, 0, 0, 16, 64, 4, 32]))
+    cheap = cost_aware.CostProfile(batch=1, round_ms={0: 10.0, 4: 10.5, 8: 11.0, 16: 11.5,
+                                                      32: 12.0, 64: 13.0},
+                                   target="t", drafter="d", device="cpu", dtype="float32",
+                                   version="test")
+    run(results, "dense-auto-policy", tp, tiny_drafter(), prompt, 40, want, budget="auto",
+        cost_profile=cheap)
     # Sampling (temperature > 0) walks the gathered logits: the same tokens on every rank.
     merges[0] = 0
     sampled = generate(tp, tiny_drafter(), torch.tensor([prompt]), 24, mode="tree", budget=8,

@@ -22,6 +22,10 @@ struct BuildTreeParams {
   int64_t* first_child = nullptr;      // [B, N]
   int64_t* next_sibling = nullptr;     // [B, N]
   int64_t* num_nodes = nullptr;        // [B] (root included)
+  // [B, N] log of each node's path probability under the drafter (the root 0, padding -inf):
+  // rows come in non-increasing order, so a prefix sum of exp() over rows 1..n is the expected
+  // number of accepted draft nodes of the best n-node tree. May be null.
+  float* path_logprobs = nullptr;
 };
 
 // A candidate prefix: the node it would become hangs under `parent` at `depth` with `rank`.
@@ -105,9 +109,11 @@ DDTREE_HOST_DEVICE void build_tree_request(const BuildTreeParams& p, int64_t b,
   int64_t* depths = p.depths + b * n_rows;
   const int64_t budget = p.budgets ? clamp_index(p.budgets[b], 0, p.budget) : p.budget;
 
+  float* path_logprobs = p.path_logprobs ? p.path_logprobs + b * n_rows : nullptr;
   tokens[0] = p.root_tokens[b];
   parents[0] = -1;
   depths[0] = 0;
+  if (path_logprobs) path_logprobs[0] = 0.f;
   s.node_parent[0] = -1;
   s.node_rank[0] = 0;
   int64_t n = 0;  // nodes added below the root
@@ -121,6 +127,7 @@ DDTREE_HOST_DEVICE void build_tree_request(const BuildTreeParams& p, int64_t b,
     tokens[node] = ids[row + c.rank];
     parents[node] = c.parent;
     depths[node] = c.depth;
+    if (path_logprobs) path_logprobs[node] = static_cast<float>(c.score);
     s.node_parent[node] = c.parent;
     s.node_rank[node] = c.rank;
     if (c.rank + 1 < K && is_candidate_logprob(logq[row + c.rank + 1])) {
@@ -155,6 +162,7 @@ DDTREE_HOST_DEVICE void fill_tree_padding(const BuildTreeParams& p, int64_t b, i
   p.depths[at] = 0;
   p.first_child[at] = -1;
   p.next_sibling[at] = -1;
+  if (p.path_logprobs) p.path_logprobs[at] = float_from_bits(0xff800000u);  // -inf
 }
 
 }  // namespace ddtree

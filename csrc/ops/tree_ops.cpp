@@ -82,7 +82,7 @@ void check_build_values(const char* op, const Tensor& logprobs, const Tensor& id
 }
 
 template <Backend kBackend>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
     const Tensor& logprobs, const Tensor& ids, const Tensor& root_tokens, int64_t budget,
     const c10::optional<Tensor>& budgets_opt) {
   constexpr const char* op = "build_tree";
@@ -112,6 +112,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
   if (should_validate_values(logprobs)) check_build_values(op, lp, id, budgets, budget);
 
   DraftTreeTensors out(B, budget + 1, logprobs.options());
+  Tensor path_logprobs = at::empty({B, budget + 1}, logprobs.options().dtype(at::kFloat));
   BuildTreeParams p;
   p.logq = lp.data_ptr<float>();
   p.ids = id.data_ptr<int64_t>();
@@ -122,8 +123,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
   p.k = K;
   p.budget = budget;
   out.point(p);
+  p.path_logprobs = path_logprobs.data_ptr<float>();
   run_op<kBackend>(op, kBuildKernels, p, logprobs, B, 1);
-  return out.tuple();
+  return std::tuple_cat(out.tuple(), std::make_tuple(path_logprobs));
 }
 
 // ---- verify_greedy ----

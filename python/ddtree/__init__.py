@@ -62,6 +62,7 @@ from .ops import (  # noqa: E402
     tree_visibility,
     verify_greedy,
     verify_sample,
+    expected_accepts,
 )
 
 
@@ -108,6 +109,7 @@ __all__ = [
     "draft_attention",
     "TreeVisibility",
     "build_tree",
+    "expected_accepts",
     "verify_greedy",
     "verify_sample",
     "commit_kv_",

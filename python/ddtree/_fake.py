@@ -83,7 +83,8 @@ def _register(namespace: str) -> None:
     def _build_tree(logprobs, ids, root_tokens, budget, budgets=None):
         b = logprobs.shape[0]
         rows = [logprobs.new_empty((b, budget + 1), dtype=torch.int64) for _ in range(5)]
-        return (*rows, logprobs.new_empty((b,), dtype=torch.int64))
+        return (*rows, logprobs.new_empty((b,), dtype=torch.int64),
+                logprobs.new_empty((b, budget + 1), dtype=torch.float32))
 
     @register_fake(f"{namespace}::verify_greedy")
     def _verify_greedy(node_tokens, first_child, next_sibling, num_nodes, target_tokens, max_depth):

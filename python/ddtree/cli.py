@@ -1,8 +1,9 @@
 """`ddtree generate` and `ddtree bench` (also `python -m ddtree.cli ...`).
 
   ddtree generate --target DIR --draft DIR --prompt TEXT [--mode tree|chain|autoregressive]
-                  [--budget 64] [--max-new-tokens 128] [--temperature 0] [--top-k 0] [--top-p 1]
-  ddtree bench --target DIR --draft DIR --prompts FILE [--budget 64] [--plot out.png] [--json F]
+                  [--budget 64|auto] [--max-new-tokens 128] [--temperature 0] [--top-k 0] [--top-p 1]
+  ddtree bench --target DIR --draft DIR --prompts FILE [--budget 64|auto] [--plot out.png] [--json F]
+  ddtree calibrate --target DIR --draft DIR [--batch 1 4 16] [--plot out.png] [--json F]
   ddtree train-drafter --target DIR --out DIR [--corpus PATH] [--labels greedy|data] [--steps N]
   torchrun --nproc-per-node N -m ddtree.cli generate ...   (tensor-parallel target, every rank
                                                             decodes, rank 0 prints)
@@ -145,7 +146,8 @@ def cmd_bench(args) -> int:
         rounds = []
         for group in tqdm(groups, desc=mode, file=sys.stderr):
             results = generate_batch(target, drafter, [encoded[i] for i in group],
-                                     args.max_new_tokens, mode=mode, budget=args.budget,
+                                     args.max_new_tokens, mode=mode,
+                                     budget=args.budget if mode == "tree" else 64,
                                      stop_token_ids=_stop_ids(tokenizer), cuda_graph=args.cuda_graph)
             for i, r in zip(group, results):
                 if mode == "autoregressive":
@@ -185,6 +187,48 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _budget(text: str):
+    return "auto" if text == "auto" else _int_at_least(0)(text)
+
+
+def cmd_calibrate(args) -> int:
+    """Measures (or reads from the cache) the cost profile of each batch size, prints it."""
+    from . import budget as cost_aware
+
+    target, _, drafter, _ = _load(args)
+    profiles = []
+    for batch in args.batch:
+        profile = cost_aware.calibrate(target, drafter, batch, use_cache=not args.remeasure)
+        profiles.append(profile)
+    print(f"cost of one round (ms) on {profiles[0].device}, {profiles[0].dtype}; cache: "
+          f"{cost_aware.cache_dir() / 'costs'}")
+    print(f"{'batch':>5} " + " ".join(f"{('AR' if b == 0 else str(b)):>8}" for b in cost_aware.BUCKETS)
+          + "   break-even tokens/round (vs AR)")
+    for p in profiles:
+        ms = [p.round_ms[b] for b in cost_aware.BUCKETS]
+        even = " ".join(f"{m / ms[0]:.1f}" for m in ms[1:])
+        print(f"{p.batch:>5} " + " ".join(f"{m:>8.2f}" for m in ms) + f"   {even}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([p.to_json() for p in profiles], f, indent=1)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for p in profiles:
+            ax.plot(cost_aware.BUCKETS, [p.round_ms[b] / p.round_ms[0] for b in cost_aware.BUCKETS],
+                    "o-", label=f"batch {p.batch}")
+        ax.set_xlabel("tree budget (0 = autoregressive round)")
+        ax.set_ylabel("round cost / autoregressive round")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,7 +242,9 @@ def main(argv=None) -> int:
                        help="target model directory (HF format), or 'embedded'")
         p.add_argument("--draft", required=name == "bench",
                        help="DFlash drafter directory, or 'embedded'")
-        p.add_argument("--budget", type=_int_at_least(0), default=64)
+        p.add_argument("--budget", type=_budget, default=64,
+                       help="tree nodes, or 'auto': per round the size (or an autoregressive "
+                            "step) with the most expected tokens per second")
         p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
         p.add_argument("--device", default=None)
@@ -222,6 +268,17 @@ def main(argv=None) -> int:
                            help="prompts decoded together (generate_batch; different lengths)")
             p.add_argument("--plot", default=None, help="write a bar chart (PNG)")
             p.add_argument("--json", default=None)
+    p = sub.add_parser("calibrate", help="measure the round cost per tree budget (budget='auto')")
+    p.add_argument("--target", required=True, help="target model directory (HF format), or 'embedded'")
+    p.add_argument("--draft", required=True, help="DFlash drafter directory, or 'embedded'")
+    p.add_argument("--batch", type=_int_at_least(1), nargs="+", default=[1])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default=None)
+    p.add_argument("--remeasure", action="store_true", help="ignore the cached profile")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(tree_attention=False, cuda_graph=False, tensor_parallel=False,
+                   func=cmd_calibrate)
     args = parser.parse_args(argv)
     if args.command == "generate" and args.mode != "autoregressive" and not args.draft:
         parser.error("--draft is required unless --mode autoregressive")

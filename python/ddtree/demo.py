@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 import ddtree
+from ddtree import budget as cost_aware
 from ddtree import reference
 
 
@@ -25,10 +26,13 @@ def _show_tree(tokens, parents):
     walk(0, 1)
 
 
-MODES = [("autoregressive", 0), ("chain", 15), ("tree", 16), ("tree", 64), ("tree", 256)]
+MODES = [("autoregressive", 0), ("chain", 15), ("tree", 16), ("tree", 64), ("tree", 256),
+         ("tree", "auto")]
 
 
-def _label(mode: str, budget: int) -> str:
+def _label(mode: str, budget) -> str:
+    if budget == "auto":
+        return "tree auto"
     return f"tree B={budget}" if mode == "tree" else mode
 
 
@@ -51,7 +55,7 @@ def _plot(rows, results, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tree = [r for r in rows if r["mode"] == "tree"]
+    tree = [r for r in rows if r["mode"] == "tree" and r["budget"] != "auto"]
     budgets = [r["budget"] for r in tree]
     by = {r["label"]: r for r in rows}
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
@@ -93,13 +97,18 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
     prompts = embedded.heldout_prompts(prompt_count)
     ids = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
     stops = [tokenizer.eos_token_id]
-    for mode, budget in modes:  # warm-up (first calls allocate, build caches, load kernels)
+    for mode, budget in modes:  # warm-up (first calls allocate, build caches, load kernels;
+        # budget="auto" measures its cost profile here, or reads it from the cache)
         generate(target, drafter, ids[0], 8, mode=mode, budget=budget, stop_token_ids=stops)
-    results, rows = {}, []
+    results, rows, policies = {}, [], []
     for mode, budget in modes:
         label = _label(mode, budget)
-        results[label] = [generate(target, drafter, x, new_tokens, mode=mode, budget=budget,
-                                   stop_token_ids=stops) for x in ids]
+        results[label] = []
+        for x in ids:
+            policy = cost_aware.auto_policy(target, drafter, 1) if budget == "auto" else None
+            results[label].append(generate(target, drafter, x, new_tokens, mode=mode,
+                                           budget=budget, stop_token_ids=stops, policy=policy))
+            policies += [policy] if policy else []
         rs = results[label]
         tokens = sum(len(r.tokens) for r in rs)
         rounds = sum(len(r.acceptance_lengths) for r in rs)
@@ -124,11 +133,28 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
     for r in rows:
         log(f"{r['label']:<16}{r['tau']:>6.2f}{r['forwards']:>12}{r['tokens']:>8}"
             f"{r['tokens_per_second']:>10.1f}{r['seconds']:>8.2f}  {'yes' if r['identical'] else 'NO'}")
+    if policies:
+        log(_auto_sentence(policies, results["tree auto"]))
     if plot:
         os.makedirs(os.path.dirname(os.path.abspath(plot)), exist_ok=True)
         _plot(rows, results, plot)
         log(f"plot: {plot}")
     return rows, results
+
+
+def _auto_sentence(policies, results) -> str:
+    """What budget="auto" chose over all prompts, and why (the last prompt's estimates)."""
+    chosen = [b for r in results for b in r.round_budgets]
+    counts = {b: chosen.count(b) for b in sorted(set(chosen))}
+    shares = ", ".join(f"{'autoregressive' if b == 0 else f'budget {b}'} {100 * c / len(chosen):.0f}%"
+                       for b, c in counts.items())
+    drafted = [(p, o) for r in results for p, o, b in zip(r.predicted_lengths, r.acceptance_lengths,
+                                                          r.round_budgets) if b > 0]
+    calib = ""
+    if drafted:
+        calib = (f"; in drafted rounds it predicted {sum(p for p, _ in drafted) / len(drafted):.2f} "
+                 f"tokens per round and got {sum(o for _, o in drafted) / len(drafted):.2f}")
+    return f"auto rounds: {shares}{calib}.\n{policies[-1].explain()}."
 
 
 def _loop_demo() -> None:

@@ -23,7 +23,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol
 
 import torch
 
+from . import budget as cost_aware
 from . import distributed, hybrid, ops, validation
+from .budget import BUCKETS as AUTO_BUCKETS
 from .verify import TargetVerifier
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -78,6 +80,10 @@ class GenerationResult:
     # Prefill and the warm-up rounds (the drafter's prompt pass; graph capture with cuda_graph):
     warmup_seconds: float = 0.0
     warmup_rounds: int = 0
+    # budget="auto": each round's tree budget (0: an autoregressive round) and, per round, the
+    # calibrated expected tokens the round would emit, predicted before it was verified.
+    round_budgets: List[int] = field(default_factory=list)
+    predicted_lengths: List[float] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -190,11 +196,12 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
              budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_token_ids: Iterable[int] = (), seed: int = 0,
              streamer: Optional[Callable[[List[int]], None]] = None,
-             cuda_graph: bool = False) -> GenerationResult:
+             cuda_graph: bool = False, policy=None, cost_profile=None) -> GenerationResult:
     """Generates up to max_new_tokens after input_ids [1, P]. At temperature 0 the tokens equal the
     target's own greedy decoding; at temperature > 0 they are distributed as the target's sampling
     (temperature, top-k, top-p). mode "chain" verifies DFlash's single chain (K = 1), "tree" the
-    optimal tree of `budget` nodes, "autoregressive" runs the target alone. cuda_graph=True
+    optimal tree of `budget` nodes (budget="auto": the cost-aware size each round, see
+    generate_batch), "autoregressive" runs the target alone. cuda_graph=True
     (CUDA) captures the verify step and the drafter's step once and replays them every round.
     (One request of generate_batch.)"""
     if not isinstance(input_ids, torch.Tensor):
@@ -211,7 +218,8 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
                          "prompts to generate_batch (they may differ in length)")
     return generate_batch(target, drafter, [input_ids[0]], max_new_tokens, mode, budget,
                           temperature, top_k, top_p, stop_token_ids, seed,
-                          (lambda _, new: streamer(new)) if streamer else None, cuda_graph)[0]
+                          (lambda _, new: streamer(new)) if streamer else None, cuda_graph,
+                          policy, cost_profile)[0]
 
 
 _MAX_SEED = 2**43  # request b's Philox key is seed * 1000003 + b (int64)
@@ -255,13 +263,19 @@ def _check_request(target, drafter, prompts, max_new_tokens, mode, budget, tempe
     prompts = [_as_token_ids(f"prompt {i}", p).reshape(-1) for i, p in enumerate(prompts)]
     if not prompts or any(p.numel() == 0 for p in prompts):
         raise ValueError("generate: every prompt must be non-empty")
-    budgets = [budget] * len(prompts) if _is_int(budget) else \
-        list(budget) if isinstance(budget, (list, tuple)) else None
-    if budgets is None or len(budgets) != len(prompts) or \
-            not all(_is_int(b) and b >= 0 for b in budgets):
-        raise ValueError(f"generate: budget must be an integer >= 0 or a list of one per prompt "
-                         f"({len(prompts)}), got {budget!r}")
-    budgets = [int(b) for b in budgets]
+    if budget == "auto":
+        if mode != "tree":
+            raise ValueError(f"generate: budget='auto' chooses tree sizes; it needs mode='tree', got "
+                             f"mode={mode!r}")
+        budgets = [max(AUTO_BUCKETS)] * len(prompts)
+    else:
+        budgets = [budget] * len(prompts) if _is_int(budget) else \
+            list(budget) if isinstance(budget, (list, tuple)) else None
+        if budgets is None or len(budgets) != len(prompts) or \
+                not all(_is_int(b) and b >= 0 for b in budgets):
+            raise ValueError(f"generate: budget must be an integer >= 0, a list of one per prompt "
+                             f"({len(prompts)}) or 'auto', got {budget!r}")
+        budgets = [int(b) for b in budgets]
     if not _is_int(seed) or not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"generate: seed must be an integer in [0, {_MAX_SEED}], got {seed!r}")
     stops = list(stop_token_ids)
@@ -299,6 +313,8 @@ class _Requests:
     def __init__(self, first: List[int], max_new_tokens, stops, streamer, device):
         self.tokens = [[t] for t in first]
         self.lengths: List[List[int]] = [[] for _ in first]
+        self.budgets: List[List[int]] = [[] for _ in first]
+        self.predicted: List[List[float]] = [[] for _ in first]
         self.max_new, self.stops, self.streamer = max_new_tokens, stops, streamer
         self.stops_t = torch.tensor(sorted(stops), dtype=torch.long, device=device)
         for b, toks in enumerate(self.tokens):
@@ -329,12 +345,17 @@ class _Requests:
         self.alive &= (self.count < self.max_new) & ~stopped
         return torch.cat([n_acc[:, None], new], 1)
 
-    def take(self, host_rows: List[List[int]]) -> None:
-        """The round's host copy of emitted(): extend, stream."""
+    def take(self, host_rows: List[List[int]], bucket: Optional[int] = None,
+             predicted: Optional[List[float]] = None) -> None:
+        """The round's host copy of emitted(): extend, stream; with budget="auto" also the
+        round's budget and each request's predicted length."""
         for b, row in enumerate(host_rows):
             if row[0] == 0:  # finished before this round
                 continue
             new = row[1: 1 + row[0]]
+            if bucket is not None:
+                self.budgets[b].append(bucket)
+                self.predicted[b].append(predicted[b] if predicted else 1.0)
             self.lengths[b].append(len(new))
             self.tokens[b].extend(new)
             self._stream(b, new)
@@ -342,11 +363,73 @@ class _Requests:
     def results(self, seconds: float, stages: Dict[str, float], warmup_seconds: float,
                 warmup_rounds: int) -> List[GenerationResult]:
         out = []
-        for toks, lengths in zip(self.tokens, self.lengths):
+        for toks, lengths, budgets, predicted in zip(self.tokens, self.lengths, self.budgets,
+                                                     self.predicted):
             cut = next((i + 1 for i, t in enumerate(toks) if t in self.stops), len(toks))
             out.append(GenerationResult(toks[: min(cut, self.max_new)], lengths, seconds,
-                                        dict(stages), warmup_seconds, warmup_rounds))
+                                        dict(stages), warmup_seconds, warmup_rounds, budgets,
+                                        predicted))
         return out
+
+
+class _AutoRounds:
+    """One round of budget="auto": the policy's bucket (from the last round's host read); an
+    autoregressive round (the drafter defers the accepted row to its context) or a drafted round
+    verifying the best bucket-sized prefix of a tree built one bucket larger; the calibration and
+    the policy's statistics ride on the round's one host read."""
+
+    def __init__(self, policy, device, shard):
+        self.policy, self.shard = policy, shard
+        self.buckets = tuple(AUTO_BUCKETS)
+        prior = policy.calibration_prior() if hasattr(policy, "calibration_prior") else None
+        self.calibration = cost_aware.Calibration(device, sums=prior)
+        self.index = {b: torch.tensor([min(c, b) for c in self.buckets], device=device)
+                      for b in self.buckets}
+
+    def round(self, clock, draft, verifier, sampler, requests, valid, bonus, check_ranks):
+        bucket = self.policy.choose()
+        clock.mark(new_round=True)
+        expected = predicted = None
+        if bucket == 0:
+            clock.mark()
+            tree, vis = root_tree(bonus, valid)
+        else:
+            draft_logits = draft.step(bonus)
+            clock.mark()
+            local = self.shard if self.shard is not None and \
+                draft_logits.shape[-1] == self.shard.local_size else None
+            built = self.buckets[min(self.buckets.index(bucket) + 1, len(self.buckets) - 1)]
+            full = ops.draft_tree(draft_logits, bonus, built, vocab_shard=local)
+            nodes = cost_aware.predicted_nodes(full, self.index[built])  # [B, buckets]
+            expected = 1.0 + nodes * self.calibration.ratio()
+            predicted = nodes[:, self.buckets.index(bucket)]
+            tree = ops.first_nodes(full, bucket)
+            vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
+        clock.mark()
+        logits, hidden_states = verifier.step(tree, vis, valid)
+        verdict = sampler.verify(tree, logits, verifier.vocab_shard)
+        verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
+        if check_ranks is not None:
+            check_ranks(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
+                        accept_len=verdict.accept_len, bonus=verdict.bonus)
+        clock.mark()
+        verifier.commit(verdict)
+        emitted = requests.emitted(tree, verdict)
+        batch = emitted.shape[0]
+        if bucket == 0:
+            draft.defer(hidden_states)
+        else:
+            draft.commit(hidden_states, verdict)
+            self.calibration.update(predicted * (verdict.accept_len > 0), verdict.accept_len)
+            emitted = torch.cat([emitted, cost_aware.pack_stats(
+                expected, self.buckets.index(bucket), requests.alive, emitted.shape[1])])
+        rows = emitted.tolist()  # the round's one host read
+        stats = None if bucket == 0 else \
+            cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch)
+        requests.take(rows[:batch], bucket, stats.predicted if stats else None)
+        self.policy.observe(stats)
+        clock.mark()
+        return valid + verdict.accept_len, verdict.bonus
 
 
 @torch.no_grad()
@@ -354,15 +437,27 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                    mode: str = "tree", budget=64, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, stop_token_ids: Iterable[int] = (), seed: int = 0,
                    streamer: Optional[Callable[[int, List[int]], None]] = None,
-                   cuda_graph: bool = False) -> List[GenerationResult]:
+                   cuda_graph: bool = False, policy=None, cost_profile=None,
+                   ) -> List[GenerationResult]:
     """Batched `generate`: prompts of different lengths (list of token lists / 1-D tensors) and
-    per-request budgets (int or list). The requests share one static cache whose rows between a
-    request's valid length and the tree's start row are padding (masked). A finished request
-    stops advancing (nothing of it is committed any more). Returns one GenerationResult per
-    request; streamer(request, new_tokens)."""
+    per-request budgets (int or list), or budget="auto": each round verifies the tree size (or
+    an autoregressive step) that maximises expected tokens per second under the measured cost
+    profile of this batch size (ddtree.budget; measured on first use, before the clock starts,
+    and cached on disk; or given as cost_profile; `policy` replaces the AutoBudget policy).
+    The requests share one static cache whose rows between a request's valid length and the
+    tree's start row are padding (masked). A finished request stops advancing (nothing of it is
+    committed any more). Returns one GenerationResult per request; streamer(request,
+    new_tokens)."""
     prompts, budgets, is_hybrid, stops = _check_request(
         target, drafter, prompts, max_new_tokens, mode, budget, temperature, top_k, top_p, seed,
         stop_token_ids)
+    if budget == "auto" and policy is None:
+        policy = cost_aware.auto_policy(target, drafter, len(prompts), cost_profile)
+    # budget="auto" where no tree can pay at this batch size: plain autoregressive rounds.
+    auto_plain = budget == "auto" and hasattr(policy, "never_drafts") and \
+        policy.never_drafts(drafter.block_size - 1)
+    if auto_plain:
+        mode, budget, budgets = "autoregressive", 0, [0] * len(prompts)
     started = time.perf_counter()
     device = target.get_input_embeddings().weight.device
     batch, depth = len(prompts), (drafter.block_size - 1 if mode != "autoregressive" else 0)
@@ -389,6 +484,22 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     budget_t = torch.tensor(budgets, device=device)
     check_ranks = distributed.rank_check(target)
     clock = _StageClock(device)
+    if budget == "auto":
+        if not hasattr(draft, "defer"):
+            raise TypeError(f"generate: budget='auto' needs a draft state with defer() (the "
+                            f"context of autoregressive rounds); {type(draft).__name__} has none")
+        policy.start(batch, depth, device)
+        auto = _AutoRounds(policy, device, shard)
+        with validation(False):
+            while not requests.all_finished():
+                valid, bonus = auto.round(clock, draft, verifier, sampler, requests, valid, bonus,
+                                          check_ranks)
+        if hasattr(policy, "finish"):
+            policy.finish(auto.calibration.sums.tolist())
+            cost_aware.remember(policy)
+        warmup_rounds = 2 if cuda_graph else 1
+        return requests.results(time.perf_counter() - started, clock.totals(),
+                                clock.elapsed_before(warmup_rounds, started), warmup_rounds)
     with validation(False):
         while not requests.all_finished():
             clock.mark(new_round=True)
@@ -416,8 +527,10 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             draft.commit(hidden_states, verdict)
             emitted = requests.emitted(tree, verdict)
             valid, bonus = valid + verdict.accept_len, verdict.bonus
-            requests.take(emitted.tolist())  # the round's one host read
+            requests.take(emitted.tolist(), 0 if auto_plain else None)  # the one host read
             clock.mark()
+    if auto_plain:
+        policy.record_autoregressive(len(clock.round_starts))
     warmup_rounds = 2 if cuda_graph and mode != "autoregressive" else 1
     return requests.results(time.perf_counter() - started, clock.totals(),
                             clock.elapsed_before(warmup_rounds, started), warmup_rounds)

@@ -54,6 +54,9 @@ class DraftTree(NamedTuple):
     first_child: torch.Tensor   # int64 [B, N], -1 = none (children in index order)
     next_sibling: torch.Tensor  # int64 [B, N], -1 = none
     num_nodes: torch.Tensor     # int64 [B], root included
+    # float32 [B, N]: each node's path log-probability under the drafter (root 0, padding -inf),
+    # non-increasing along the rows (build_tree only; None for chain trees). See expected_accepts.
+    path_logprobs: Optional[torch.Tensor] = None
 
 
 class GreedyVerdict(NamedTuple):
@@ -73,6 +76,17 @@ def build_tree(
     published reference. logprobs float32 [B, L, K] sorted non-increasing along K (top-k
     log-softmax values), ids [B, L, K], root_tokens [B]; budgets [B] (<= budget) per request."""
     return DraftTree(*torch.ops.ddtree.build_tree(logprobs, ids, root_tokens, int(budget), budgets))
+
+
+def expected_accepts(tree: DraftTree) -> torch.Tensor:
+    """float32 [B, N]: entry n is the expected number of accepted draft nodes of the tree's first
+    n nodes (rows 1..n: the best n-node tree, rows being in pop order) if the target followed the
+    drafter's distribution — the prefix sum of exp(path_logprobs) (SPEC §3's objective); entry 0
+    is 0 (the root alone). Padding rows add 0. Device ops only (no host read)."""
+    if tree.path_logprobs is None:
+        raise ValueError("expected_accepts: the tree has no path_logprobs (build_tree trees have)")
+    p = tree.path_logprobs[:, 1:].exp()
+    return torch.cat([p.new_zeros(p.shape[0], 1), p.cumsum(1)], 1)
 
 
 def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> GreedyVerdict:
@@ -170,6 +184,27 @@ def tree_topk_merge(parts: torch.Tensor):
     return torch.ops.ddtree.tree_topk_merge(parts)
 
 
+def draft_tree(
+    draft_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    budget: int,
+    budgets: Optional[torch.Tensor] = None,
+    k: Optional[int] = None,
+    vocab_shard=None,
+) -> DraftTree:
+    """Draft logits [B, L, V] -> the optimal DraftTree of `budget` nodes: tree_topk -> build_tree.
+    K defaults to min(budget, V, 1024), which is sufficient for the optimal tree (SPEC §3). With
+    vocab_shard (ddtree.distributed.VocabShard), the logits are this rank's vocabulary columns
+    [B, L, V_local] and the top-k is the sharded one (the same result on every rank)."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+        raise ValueError(f"draft_to_tree: budget must be an integer >= 0, got {budget!r}")
+    vocab = draft_logits.shape[-1] if vocab_shard is None else vocab_shard.vocab_size
+    k = min(int(budget), vocab, 1024) if k is None else int(k)
+    topk = tree_topk if vocab_shard is None else vocab_shard.tree_topk
+    logprobs, ids = topk(draft_logits, k)
+    return build_tree(logprobs, ids, root_tokens, budget, budgets)
+
+
 def draft_to_tree(
     draft_logits: torch.Tensor,
     root_tokens: torch.Tensor,
@@ -179,19 +214,19 @@ def draft_to_tree(
     k: Optional[int] = None,
     vocab_shard=None,
 ):
-    """Draft logits [B, L, V] -> (DraftTree, TreeVisibility): tree_topk -> build_tree ->
-    tree_visibility, three launches. K defaults to min(budget, V, 1024), which is sufficient
-    for the optimal tree (SPEC §3). With vocab_shard (ddtree.distributed.VocabShard), the logits
-    are this rank's vocabulary columns [B, L, V_local] and the top-k is the sharded one (the same
-    result on every rank)."""
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
-        raise ValueError(f"draft_to_tree: budget must be an integer >= 0, got {budget!r}")
-    vocab = draft_logits.shape[-1] if vocab_shard is None else vocab_shard.vocab_size
-    k = min(int(budget), vocab, 1024) if k is None else int(k)
-    topk = tree_topk if vocab_shard is None else vocab_shard.tree_topk
-    logprobs, ids = topk(draft_logits, k)
-    tree = build_tree(logprobs, ids, root_tokens, budget, budgets)
+    """Draft logits [B, L, V] -> (DraftTree, TreeVisibility): draft_tree, then tree_visibility;
+    three launches."""
+    tree = draft_tree(draft_logits, root_tokens, budget, budgets, k, vocab_shard)
     return tree, tree_visibility(tree.parents, tree.num_nodes, start)
+
+
+def first_nodes(tree: DraftTree, budget: int) -> DraftTree:
+    """The best `budget`-node tree inside a build_tree tree of more nodes: its first budget + 1
+    rows (rows are in pop order and parents come first, so every prefix is a tree). Views, no
+    copies; links to later rows are ignored by the walks (they stop at num_nodes)."""
+    n = budget + 1
+    return DraftTree(*(t if t is None else t[:, :n] if t.dim() == 2 else t.clamp(max=n)
+                       for t in tree))
 
 
 def chain_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor) -> DraftTree:

@@ -84,11 +84,12 @@ def _is_candidate(x: float) -> bool:
 
 def build_tree_single(logq, ids, budget: int, root_token: int):
     """SPEC §3 for one request, with heapq: logq / ids are [L][K] lists (floats / ints).
-    Returns (node_tokens, parents, depths) including the root row; scores are Python floats
-    (float64) updated with exactly the spec's expressions; heap ties break on the rank path."""
+    Returns (node_tokens, parents, depths, path log-probs) including the root row (log-prob 0);
+    scores are Python floats (float64) updated with exactly the spec's expressions; heap ties
+    break on the rank path."""
     depth_l = len(logq)
     k = len(logq[0]) if depth_l else 0
-    tokens, parents, depths, paths = [root_token], [-1], [0], [()]
+    tokens, parents, depths, paths, scores = [root_token], [-1], [0], [()], [0.0]
     heap = []
     if budget > 0 and depth_l > 0 and k > 0 and _is_candidate(logq[0][0]):
         heapq.heappush(heap, (-float(logq[0][0]), (0,), 0, 1, 0))
@@ -100,38 +101,42 @@ def build_tree_single(logq, ids, budget: int, root_token: int):
         parents.append(parent)
         depths.append(depth)
         paths.append(ranks)
+        scores.append(score)
         if rank + 1 < k and _is_candidate(logq[depth - 1][rank + 1]):
             sibling = score - logq[depth - 1][rank] + logq[depth - 1][rank + 1]
             heapq.heappush(heap, (-sibling, ranks[:-1] + (rank + 1,), parent, depth, rank + 1))
         if depth < depth_l and _is_candidate(logq[depth][0]):
             child = score + logq[depth][0]
             heapq.heappush(heap, (-child, ranks + (0,), node, depth + 1, 0))
-    return tokens, parents, depths
+    return tokens, parents, depths, scores
 
 
 def build_tree(logprobs, ids, root_tokens, budget: int, budgets=None):
     """Batched reference build_tree: (node_tokens, parents, depths, first_child, next_sibling,
-    num_nodes) padded to budget + 1 rows (padding: token 0, links -1, depth 0)."""
+    num_nodes, path_logprobs) padded to budget + 1 rows (padding: token 0, links -1, depth 0,
+    log-prob -inf). path_logprobs float32: each node's path log-probability (SPEC §3's score)."""
     batch = logprobs.shape[0]
     n = budget + 1
     out = {name: torch.full((batch, n), fill, dtype=torch.int64)
            for name, fill in (("tokens", 0), ("parents", -1), ("depths", 0),
                               ("first_child", -1), ("next_sibling", -1))}
     counts = torch.zeros(batch, dtype=torch.int64)
+    path_logprobs = torch.full((batch, n), float("-inf"), dtype=torch.float32)
     for b in range(batch):
         cap = budget if budgets is None else int(budgets[b])
-        tokens, parents, depths = build_tree_single(
+        tokens, parents, depths, scores = build_tree_single(
             logprobs[b].tolist(), ids[b].tolist(), cap, int(root_tokens[b]))
         m = len(tokens)
         counts[b] = m
         out["tokens"][b, :m] = torch.tensor(tokens)
         out["parents"][b, :m] = torch.tensor(parents)
         out["depths"][b, :m] = torch.tensor(depths)
+        path_logprobs[b, :m] = torch.tensor(scores, dtype=torch.float64).float()
         for i in range(m - 1, 0, -1):
             out["next_sibling"][b, i] = out["first_child"][b, parents[i]]
             out["first_child"][b, parents[i]] = i
     return (out["tokens"], out["parents"], out["depths"], out["first_child"],
-            out["next_sibling"], counts)
+            out["next_sibling"], counts, path_logprobs)
 
 
 def verify_greedy(node_tokens, parents, num_nodes, target_tokens, max_depth: int):

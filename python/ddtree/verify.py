@@ -13,7 +13,7 @@ modules run over the tree (ddtree.hybrid) and `commit` moves them along the acce
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -65,17 +65,29 @@ class TargetVerifier:
             hybrid.install_tree_dispatch(target)
         self.dtype = target.get_input_embeddings().weight.dtype
         self.packed_mask = hf.uses_tree_attention(target)
-        long = dict(dtype=torch.long, device=device)
-        self.tree = hf.TreeBatch(
-            tokens=torch.zeros(batch, n, **long), positions=torch.zeros(batch, n, **long),
-            parents=torch.full((batch, n), -1, **long), num_nodes=torch.ones(batch, **long),
-            packed=torch.zeros(batch, n, (n + 31) // 32, dtype=torch.int32, device=device),
-            prefix=torch.zeros(batch, **long), start=torch.zeros(batch, **long),
-            max_depth=max_depth)
+        self.batch, self.max_depth, self.device = batch, max_depth, device
+        # One TreeBatch of static buffers (and one CUDA graph) per tree row count N <= n: the
+        # budget="auto" loop verifies trees of several bucket sizes over the one cache.
+        self.trees: Dict[int, hf.TreeBatch] = {}
+        self.graphs: Dict[int, tuple] = {}
+        self.tree = self._tree_batch(n)
         self.cache = None
         self._offsets: List[torch.Tensor] = []
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.outputs = None
+
+    def _tree_batch(self, n: int) -> hf.TreeBatch:
+        if n not in self.trees:
+            if not 1 <= n <= self.n:
+                raise ValueError(f"TargetVerifier: a tree of {n} rows; this verifier holds 1 .. "
+                                 f"{self.n}")
+            long = dict(dtype=torch.long, device=self.device)
+            b = self.batch
+            self.trees[n] = hf.TreeBatch(
+                tokens=torch.zeros(b, n, **long), positions=torch.zeros(b, n, **long),
+                parents=torch.full((b, n), -1, **long), num_nodes=torch.ones(b, **long),
+                packed=torch.zeros(b, n, (n + 31) // 32, dtype=torch.int32, device=self.device),
+                prefix=torch.zeros(b, **long), start=torch.zeros(b, **long),
+                max_depth=self.max_depth)
+        return self.trees[n]
 
     def prefill(self, prompts):
         """Runs each prompt (1-D token tensors) through the target; fills the static cache.
@@ -110,8 +122,7 @@ class TargetVerifier:
                          if hasattr(layer, "cumulative_length")]
         return torch.cat(last), hidden
 
-    def _forward(self):
-        t = self.tree
+    def _forward(self, t: hf.TreeBatch):
         if self._offsets:  # the attention layers write the tree rows at `start`
             torch._foreach_copy_(self._offsets, [t.start[0]] * len(self._offsets))
         mask = t.packed[:, None] if self.packed_mask else \
@@ -132,23 +143,26 @@ class TargetVerifier:
     def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor):
         """Verifies `tree` (its rows go to cache rows [max(valid), max(valid) + N)); returns
         (logits [B, N, V] — [B, N, V_local] with vocab_shard — hidden states or None),
-        overwritten by the next round's replay."""
-        t = self.tree
+        overwritten by the next round's replay of the same N."""
+        t = self.tree = self._tree_batch(tree.node_tokens.shape[1])
         for buffer, value in ((t.tokens, tree.node_tokens), (t.positions, vis.positions),
                               (t.packed, vis.packed), (t.parents, tree.parents),
                               (t.num_nodes, tree.num_nodes), (t.prefix, valid)):
             buffer.copy_(value)
         t.start.copy_(valid.max().expand_as(t.start))
         if not self.use_graph:
-            return self._forward()
-        if self.graph is None:
-            self.graph, self.outputs = capture_graph(self._forward)
-        self.graph.replay()
-        return self.outputs
+            return self._forward(t)
+        n = t.tokens.shape[1]
+        if n not in self.graphs:
+            self.graphs[n] = capture_graph(lambda: self._forward(t))
+        graph, outputs = self.graphs[n]
+        graph.replay()
+        return outputs
 
     def commit(self, verdict: ops.GreedyVerdict) -> None:
-        """Accepted rows move from the tree block to each request's valid prefix; GDN states
-        move along the accepted path. The caller then adds accept_len to valid."""
+        """Accepted rows move from the tree block of the last step to each request's valid
+        prefix; GDN states move along the accepted path. The caller then adds accept_len to
+        valid."""
         t = self.tree
         attention = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
         for group in _same_layout([x for layer in attention for x in (layer.keys, layer.values)]):

@@ -433,6 +433,8 @@ class DFlashDraftState:
     prompts' features (padded to the longest prompt) and runs eagerly; every later step has the
     same shapes and, with cuda_graph, is captured once and replayed."""
 
+    DEFER_ROWS = 64  # deferred root rows written to the context cache in one pass
+
     def __init__(self, drafter: DFlashDrafter, target, prompt_hidden_states, capacity: int,
                  cuda_graph: bool):
         from ..distributed import vocab_shard
@@ -450,6 +452,10 @@ class DFlashDraftState:
         self.use_graph = cuda_graph
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits = None
+        # Autoregressive rounds of budget="auto" (defer / catch_up): block rows committed but
+        # not yet in the cache, and the deferred root rows' features.
+        self.block_pending = False
+        self.deferred, self.deferred_feats = 0, None
 
     def _step(self):
         return self.drafter.draft_block(self.target, self.bonus, self.feats, self.rows, self.cache,
@@ -459,6 +465,8 @@ class DFlashDraftState:
         """Draft logits [B, block_size - 1, V] of the blocks starting with `bonus` [B] (this
         rank's vocabulary columns when the target's LM head is sharded)."""
         self.bonus.copy_(bonus)
+        self._flush_deferred()
+        self.block_pending = False
         if self.prompt is not None:
             logits = self.drafter.draft_block(self.target, self.bonus, self.prompt, self.rows,
                                               self.cache, self.vocab_shard)
@@ -475,6 +483,59 @@ class DFlashDraftState:
         self.rows.cached_t += self.rows.new_t
         return logits
 
+    def _write_context(self, feats: torch.Tensor, rows) -> None:
+        """Context rows straight into the cache, without drafting a block: the context keys /
+        values of every draft layer depend only on the target features (k / v projections,
+        k-norm, RoPE at the rows' positions). feats [B, C, n*H] land at rows cached_t + j;
+        `rows` ([B] tensor or int) of them are real and cached_t advances by it. Rows past a
+        request's real ones land beyond its context (masked, later overwritten), as in the
+        draft step."""
+        drafter, ctx_rows = self.drafter, self.rows
+        ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))
+        b, c, _ = ctx.shape
+        at = ctx_rows.cached_t[:, None] + torch.arange(c, device=ctx.device)
+        rope = drafter.rotary_emb(ctx, at)
+        for layer, kv in zip(drafter.layers, self.cache.layers):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(b, c, attn.num_kv_heads, attn.head_dim))
+            k, _ = apply_rotary_pos_emb(k.transpose(1, 2), k.transpose(1, 2), *rope)
+            v = attn.v_proj(ctx).view(b, c, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+            index = at[:, None, :, None].expand(-1, kv[0].shape[1], -1, kv[0].shape[3])
+            for cache, new in zip(kv, (k, v)):
+                cache.scatter_(2, index, new.to(cache.dtype))
+        ctx_rows.cached_t += rows
+
+    @torch.no_grad()
+    def catch_up(self) -> None:
+        """Writes the pending context rows (the prompt's, or the last verdict's accepted rows)
+        into the cache now (budget="auto" before its first autoregressive round)."""
+        feats = self.prompt if self.prompt is not None else self.feats
+        self.prompt, self.block_pending = None, False
+        self._write_context(feats, self.rows.new_t)
+        self.rows.new_t.zero_()
+
+    @torch.no_grad()
+    def defer(self, hidden_states) -> None:
+        """An autoregressive round's verdict (budget="auto"): its one accepted row (the root,
+        row 0 of the pass) joins the context later, in chunks of DEFER_ROWS rows written by one
+        pass (before the next draft step at the latest), so a run of autoregressive rounds costs
+        the drafter one small copy a round."""
+        if self.prompt is not None or self.block_pending:
+            self.catch_up()
+        if self.deferred == self.DEFER_ROWS:
+            self._flush_deferred()
+        ids = self.drafter.target_layer_ids
+        row = torch.cat([hidden_states[i + 1][:, :1] for i in ids], -1)
+        if self.deferred_feats is None:
+            self.deferred_feats = row.new_zeros(row.shape[0], self.DEFER_ROWS, row.shape[-1])
+        self.deferred_feats[:, self.deferred: self.deferred + 1] = row
+        self.deferred += 1
+
+    def _flush_deferred(self) -> None:
+        if self.deferred:
+            self._write_context(self.deferred_feats[:, : self.deferred], self.deferred)
+            self.deferred = 0
+
     def commit(self, hidden_states, verdict) -> None:
         """The accepted rows' target features become the next step's new context rows."""
         from ..ops import gather_accepted
@@ -482,3 +543,4 @@ class DFlashDraftState:
         features = self.drafter.target_features(hidden_states)
         self.feats.copy_(gather_accepted(features, verdict.accepted, verdict.accept_len))
         self.rows.new_t.copy_(verdict.accept_len)
+        self.block_pending = True

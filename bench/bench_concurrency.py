@@ -1,0 +1,181 @@
+"""Tokens per second against batch size on the embedded pair: autoregressive, DFlash chain, DDTree
+at fixed budgets and budget="auto", modes interleaved within each repeat, median and spread over
+the repeats; every mode checked token-for-token against autoregressive; auto's chosen budget per
+round as a histogram per batch size, and its calibrated predicted vs observed tokens per round.
+
+  python bench/bench_concurrency.py [--batches 1 2 4 16 32] [--requests 16] [--new-tokens 96]
+                                    [--repeats 3] [--json F] [--plot F] [--device cpu|cuda]
+
+Throughput of a batch size = all requests' generated tokens / the wall time of the
+generate_batch calls (prefill included, the same for every mode); requests = max(--requests,
+batch), held-out prompts. Auto's cost profile is measured (or read from the cache) before the
+timed runs. On a GPU the same script runs unchanged (bench/gpu_check.sh calls it).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ddtree import budget as cost_aware
+from ddtree import embedded
+from ddtree.generate import generate_batch
+
+MODES = [("autoregressive", None), ("chain", None), ("tree", 16), ("tree", 64), ("tree", 256),
+         ("tree", "auto")]
+
+
+def label(mode, budget):
+    return mode if budget is None else f"tree {budget}"
+
+
+def run_mode(target, drafter, prompts, batch, mode, budget, new_tokens, profile):
+    tokens, seconds, results = [], 0.0, []
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        kwargs = dict(mode=mode) if budget is None else dict(budget=budget)
+        if budget == "auto":
+            kwargs["cost_profile"] = profile  # what earlier calls learned carries over
+        start = time.perf_counter()
+        out = generate_batch(target, drafter, group, new_tokens, **kwargs)
+        seconds += time.perf_counter() - start
+        tokens += [r.tokens for r in out]
+        results += out
+    return tokens, seconds, results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 32])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype) if args.dtype else \
+        (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    target, drafter, tokenizer = embedded.load(dtype=dtype, device=args.device)
+    texts = embedded.heldout_prompts(max(args.requests, max(args.batches)))
+    prompts = [tokenizer(t, return_tensors="pt").input_ids[0].to(args.device) for t in texts]
+    profiles = {}
+    for batch in args.batches:
+        profiles[batch] = cost_aware.calibrate(target, drafter, batch)
+        print(f"cost profile, batch {batch}: " + ", ".join(
+            f"{b}: {ms:.1f} ms" for b, ms in sorted(profiles[batch].round_ms.items())),
+            file=sys.stderr)
+    runs = {}  # (batch, label) -> list of tokens/s over repeats
+    chosen, calibration = {}, {}
+    for rep in range(args.repeats):
+        for batch in args.batches:
+            work = prompts[: max(args.requests, batch)]
+            order = MODES if rep % 2 == 0 else MODES[::-1]  # interleaved, alternating order
+            reference = None
+            outputs = {}
+            for mode, budget in order:
+                tokens, seconds, results = run_mode(target, drafter, work, batch, mode, budget,
+                                                    args.new_tokens, profiles[batch])
+                outputs[label(mode, budget)] = tokens
+                tps = sum(len(t) for t in tokens) / seconds
+                runs.setdefault((batch, label(mode, budget)), []).append(tps)
+                if budget == "auto":
+                    chosen.setdefault(batch, []).extend(b for r in results for b in r.round_budgets)
+                    pred = [p for r in results for p, b in zip(r.predicted_lengths, r.round_budgets)
+                            if b > 0]
+                    obs = [n for r in results for n, b in zip(r.acceptance_lengths, r.round_budgets)
+                           if b > 0]
+                    cal = calibration.setdefault(batch, [0.0, 0.0, 0])
+                    cal[0] += sum(pred)
+                    cal[1] += sum(obs)
+                    cal[2] += len(obs)
+                print(f"repeat {rep} batch {batch:>2} {label(mode, budget):<15} {tps:8.1f} tok/s",
+                      file=sys.stderr)
+            reference = outputs["autoregressive"]
+            for name, tokens in outputs.items():
+                if tokens != reference:
+                    raise SystemExit(f"bench_concurrency: {name} at batch {batch} differs from "
+                                     f"autoregressive (lossless violated)")
+    rows = []
+    for batch in args.batches:
+        ar = statistics.median(runs[(batch, "autoregressive")])
+        fixed = [label(m, b) for m, b in MODES if b != "auto"]
+        best_fixed = max(fixed, key=lambda n: statistics.median(runs[(batch, n)]))
+        for mode, budget in MODES:
+            name = label(mode, budget)
+            values = runs[(batch, name)]
+            med = statistics.median(values)
+            row = dict(batch=batch, mode=name, tokens_per_second=med, min=min(values),
+                       max=max(values), vs_autoregressive=med / ar)
+            if budget == "auto":
+                row["vs_best_fixed"] = med / statistics.median(runs[(batch, best_fixed)])
+                row["best_fixed"] = best_fixed
+                counts = {b: chosen[batch].count(b) for b in cost_aware.BUCKETS}
+                row["chosen_budgets"] = counts
+                p, o, n = calibration.get(batch, [0.0, 0.0, 0])
+                row["predicted_tokens_per_drafted_round"] = p / n if n else None
+                row["observed_tokens_per_drafted_round"] = o / n if n else None
+            rows.append(row)
+    print(f"{'batch':>5} {'mode':<15} {'tok/s':>9} {'spread':>17} {'vs AR':>7}")
+    for r in rows:
+        extra = ""
+        if r["mode"] == "tree auto":
+            extra = (f"  vs best fixed ({r['best_fixed']}) {r['vs_best_fixed']:.2f}x; budgets "
+                     f"{ {b: c for b, c in r['chosen_budgets'].items() if c} }")
+            if r["predicted_tokens_per_drafted_round"] is not None:
+                extra += (f"; tokens/drafted round predicted "
+                          f"{r['predicted_tokens_per_drafted_round']:.2f} observed "
+                          f"{r['observed_tokens_per_drafted_round']:.2f}")
+        print(f"{r['batch']:>5} {r['mode']:<15} {r['tokens_per_second']:>9.1f} "
+              f"{r['min']:>8.1f}-{r['max']:<8.1f} {r['vs_autoregressive']:>6.2f}x{extra}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(device=cost_aware.device_name(torch.device(args.device)),
+                           dtype=str(dtype), torch=torch.__version__, requests=args.requests,
+                           new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
+                           profiles={b: p.to_json() for b, p in profiles.items()}), f, indent=1)
+    if args.plot:
+        plot(rows, args.batches, args.plot)
+
+
+def plot(rows, batches, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for mode, budget in MODES:
+        name = label(mode, budget)
+        mine = [r for r in rows if r["mode"] == name]
+        axes[0].plot([r["batch"] for r in mine], [r["vs_autoregressive"] for r in mine], "o-",
+                     label=name, lw=2.5 if budget == "auto" else 1.2)
+    axes[0].axhline(1.0, color="gray", ls=":")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xticks(batches, [str(b) for b in batches])
+    axes[0].set_xlabel("batch size")
+    axes[0].set_ylabel("tokens/s vs autoregressive (median)")
+    axes[0].legend(fontsize=8)
+    auto = [r for r in rows if r["mode"] == "tree auto"]
+    width = 0.8 / max(1, len(auto))
+    for i, r in enumerate(auto):
+        total = max(1, sum(r["chosen_budgets"].values()))
+        xs = [j + i * width for j in range(len(cost_aware.BUCKETS))]
+        axes[1].bar(xs, [r["chosen_budgets"][b] / total for b in cost_aware.BUCKETS], width,
+                    label=f"batch {r['batch']}")
+    axes[1].set_xticks([j + 0.4 - width / 2 for j in range(len(cost_aware.BUCKETS))],
+                       [str(b) for b in cost_aware.BUCKETS])
+    axes[1].set_xlabel("budget chosen by auto (0 = autoregressive round)")
+    axes[1].set_ylabel("fraction of rounds")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

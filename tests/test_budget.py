@@ -1,0 +1,189 @@
+"""budget="auto": lossless through every bucket transition (autoregressive rounds included, the
+drafter's deferred context, dense and hybrid targets, batches, sampling), the drafter's context
+after autoregressive rounds, the policy's choices against a cost profile, the cost profile's
+measurement and disk cache, and the calibration of predicted against observed tokens."""
+import json
+
+import pytest
+import torch
+
+from ddtree import budget as cost_aware
+from ddtree import embedded
+from ddtree.generate import generate, generate_batch
+from ddtree.models.dflash import DFlashDraftState
+from test_generate import (PROMPTS, ScriptedBudgets, greedy_reference, tiny_drafter, tiny_hybrid,
+                           tiny_target)
+
+EVERY_TRANSITION = [0, 0, 4, 0, 0, 0, 0, 16, 64, 0, 8, 32, 32, 0, 4, 64, 0, 0, 16]
+
+
+def profile(round_ms, batch=1):
+    return cost_aware.CostProfile(batch=batch, round_ms=dict(round_ms), target="t", drafter="d",
+                                  device="cpu", dtype="float32", version="test")
+
+
+def make_target(kind):
+    return tiny_target(seed=3) if kind == "qwen3" else tiny_hybrid(kind=kind)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_next"])
+def test_lossless_through_every_bucket_transition(kind, monkeypatch):
+    """A batch of three prompts of different lengths; rounds switch between autoregressive and
+    every tree size (the drafter's deferred rows written in chunks of 3 to cross chunk
+    boundaries): tokens equal the target's greedy decoding."""
+    monkeypatch.setattr(DFlashDraftState, "DEFER_ROWS", 3)
+    target, drafter = make_target(kind), tiny_drafter()
+    truths = [greedy_reference(target, torch.tensor([p]), 30) for p in PROMPTS]
+    policy = ScriptedBudgets(EVERY_TRANSITION)
+    results = generate_batch(target, drafter, PROMPTS, 30, budget="auto", policy=policy)
+    assert [r.tokens for r in results] == truths
+    assert set(policy.choices) == set(cost_aware.BUCKETS)
+    for r in results:
+        assert len(r.round_budgets) == len(r.acceptance_lengths) == len(r.predicted_lengths)
+        for b, n, p in zip(r.round_budgets, r.acceptance_lengths, r.predicted_lengths):
+            assert 1 <= n <= (1 if b == 0 else 1 + min(b, drafter.block_size - 1))
+            assert p == 1.0 if b == 0 else 1.0 <= p <= 1 + min(b, drafter.block_size - 1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("costs, expect", [
+    ({0: 10.0, 4: 10.5, 8: 11.0, 16: 11.5, 32: 12.0, 64: 13.0}, "drafted"),
+    ({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, "autoregressive"),
+])
+def test_auto_policy_is_lossless_and_follows_the_costs(kind, costs, expect):
+    """With the real AutoBudget policy: cheap trees -> drafted rounds; trees that cost more
+    than they could ever return -> autoregressive rounds only (no draft step at all)."""
+    target, drafter = make_target(kind), tiny_drafter()
+    truths = [greedy_reference(target, torch.tensor([p]), 24) for p in PROMPTS[:2]]
+    policy = cost_aware.AutoBudget(profile(costs, batch=2))
+    results = generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=policy)
+    assert [r.tokens for r in results] == truths
+    drafted = sum(1 for b in policy.choices if b > 0)
+    if expect == "drafted":
+        assert drafted >= len(policy.choices) - 1
+    else:
+        assert drafted == 0 and set(policy.reasons) == {
+            "no tree could pay even if every node were accepted"}
+
+
+def test_auto_sampling_is_reproducible_and_valid():
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    run = lambda seq: [r.tokens for r in generate_batch(  # noqa: E731
+        target, drafter, PROMPTS, 16, budget="auto", policy=ScriptedBudgets(seq), temperature=0.9,
+        top_k=20, seed=7)]
+    first = run(EVERY_TRANSITION)
+    assert first == run(EVERY_TRANSITION)
+    assert all(len(t) == 16 and all(0 <= x < 96 for x in t) for t in first)
+
+
+def test_deferred_context_equals_drafted_context():
+    """Rows that reach the drafter's context through autoregressive rounds (defer, written in
+    one chunk) give the next draft step the same logits as rows that went through draft steps."""
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    g = torch.Generator().manual_seed(0)
+    hidden = lambda: tuple(torch.randn(2, 5, 64, generator=g) for _ in range(5))  # noqa: E731
+    prompt = [hidden(), hidden()]
+    rounds = [hidden() for _ in range(4)]
+    from ddtree.ops import GreedyVerdict
+
+    root_only = GreedyVerdict(torch.tensor([[0] + [-1] * 7] * 2), torch.tensor([1, 1]),
+                              torch.tensor([3, 4]))
+    prompt_states = [tuple(h[i:i + 1] for h in prompt[i]) for i in range(2)]
+    bonus = torch.tensor([5, 6])
+    drafted = DFlashDraftState(drafter, target, prompt_states, 64, False)
+    deferred = DFlashDraftState(drafter, target, prompt_states, 64, False)
+    for state in (drafted, deferred):
+        state.step(bonus)
+        state.commit(rounds[0], root_only)
+    for h in rounds[1:]:
+        drafted.step(bonus)
+        drafted.commit(h, root_only)
+        deferred.defer(h)
+    torch.testing.assert_close(deferred.step(bonus), drafted.step(bonus), rtol=1e-4, atol=1e-4)
+    assert torch.equal(deferred.rows.cached_t, drafted.rows.cached_t)
+
+
+def test_policy_choices_and_probes():
+    """argmax of expected tokens per ms; a probe after `probe_after` autoregressive rounds when
+    the estimate is close to paying, waiting twice as long after a probe that did not pay."""
+    costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
+    policy = cost_aware.AutoBudget(costs, probe_after=2, probe_margin=0.8)
+    policy.start(1, 15, "cpu")
+    assert policy.choose() > 0 and policy.reasons[-1] == "first draft"
+    # 2.8 tokens at budget 16 for 25 ms beats 1 token per 10 ms and the other sizes.
+    stats = cost_aware.RoundStats(expected=[1.0, 2.0, 2.3, 2.8, 2.9, 3.0], predicted=[2.8], live=1)
+    policy.observe(stats)
+    assert policy.choose() == 16
+    policy.observe(stats)
+    # Estimates that no longer pay, but within the margin: autoregressive, then a probe.
+    weak = cost_aware.RoundStats(expected=[1.0, 1.5, 1.7, 2.1, 2.2, 2.3], predicted=[2.1], live=1)
+    for _ in range(4):
+        policy.observe(weak)
+    assert policy.choose() == 0
+    policy.observe(None)
+    assert policy.choose() == 0
+    policy.observe(None)
+    assert policy.choose() == 16 and policy.reasons[-1] == "probe"
+    policy.observe(weak)  # the probe did not pay: wait 4 rounds now
+    picks = []
+    for _ in range(5):
+        picks.append(policy.choose())
+        policy.observe(None if picks[-1] == 0 else weak)
+    assert picks == [0, 0, 0, 0, 16]
+    assert "autoregressive" in policy.explain() or "trees of" in policy.explain()
+
+
+def test_cost_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    measured = cost_aware.calibrate(target, drafter, 2, rounds=2, repeats=1, progress=False)
+    assert set(measured.round_ms) == set(cost_aware.BUCKETS)
+    assert all(ms > 0 for ms in measured.round_ms.values())
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["batch"] == 2
+    import ddtree.generate as loop
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a cached profile must not be measured again")
+
+    monkeypatch.setattr(loop, "generate_batch", no_measuring)
+    again = cost_aware.calibrate(target, drafter, 2, progress=False)
+    assert again == measured
+    assert cost_aware.load_profile(target, tiny_drafter(seed=9), 2) is None  # other weights
+    assert cost_aware.load_profile(target, drafter, 3) is None               # other batch size
+
+
+def test_learned_state_carries_over_between_generations(monkeypatch):
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    cheap = profile({0: 10.0, 4: 10.5, 8: 11.0, 16: 11.5, 32: 12.0, 64: 13.0})
+    first = cost_aware.auto_policy(target, drafter, 1, cheap)
+    generate(target, drafter, torch.tensor([PROMPTS[0]]), 12, budget="auto", policy=first)
+    cost_aware.remember(first)
+    second = cost_aware.auto_policy(target, drafter, 1, cheap)
+    assert second.prior == first.learned and second.prior["expected_per_request"]
+    second.start(1, drafter.block_size - 1, "cpu")
+    assert second.choose() > 0 and second.reasons[-1] == "best expected tokens/s"
+
+
+def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
+    """The embedded pair on held-out prompts, trees of 16 every round: after one generation to
+    learn the calibration, the calibrated predicted tokens per round of the next generations
+    are within 10% of the observed ones (the drafter alone is over- or under-confident)."""
+    target, drafter, tokenizer = embedded.load()
+    prompts = [tokenizer(t, return_tensors="pt").input_ids for t in embedded.heldout_prompts(5)]
+    prior, first, predicted, observed = None, None, [], []
+    for ids in prompts:
+        policy = cost_aware.FixedBucket(16, prior=prior)
+        r = generate(target, drafter, ids, 64, budget="auto", policy=policy)
+        prior = policy.learned
+        if first is None:
+            first = r
+            continue
+        predicted += r.predicted_lengths
+        observed += r.acceptance_lengths
+    mean_p, mean_o = sum(predicted) / len(predicted), sum(observed) / len(observed)
+    first_p = sum(first.predicted_lengths) / len(first.predicted_lengths)
+    first_o = sum(first.acceptance_lengths) / len(first.acceptance_lengths)
+    print(f"predicted {mean_p:.3f} vs observed {mean_o:.3f} tokens per round (the first "
+          f"generation, from an uncalibrated start: {first_p:.3f} vs {first_o:.3f})")
+    assert abs(mean_p - mean_o) <= 0.1 * mean_o
