@@ -187,3 +187,27 @@ def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
     print(f"predicted {mean_p:.3f} vs observed {mean_o:.3f} tokens per round (the first "
           f"generation, from an uncalibrated start: {first_p:.3f} vs {first_o:.3f})")
     assert abs(mean_p - mean_o) <= 0.1 * mean_o
+
+
+def test_generations_that_cannot_pay_run_plain_autoregressive_and_recheck_later():
+    """Learned estimates far below paying: the next generations skip the drafter entirely (plain
+    autoregressive decoding), and every REFRESH_AFTER-th one drafts again to re-check; inside a
+    generation the drafter's context stops being maintained once no drafted round can follow."""
+    costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
+    weak = {"expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "calibration": [1.0, 2.0]}
+    policy = cost_aware.AutoBudget(costs, prior=weak)
+    assert policy.plain_autoregressive(4, 15)
+    policy.record_autoregressive(30)
+    assert policy.learned["plain_runs"] == 1 and policy.choices == [0] * 30
+    stale = cost_aware.AutoBudget(costs, prior={**weak, "plain_runs": policy.REFRESH_AFTER})
+    assert not stale.plain_autoregressive(4, 15)
+    stale.start(4, 15, "cpu")
+    assert stale.keeps_drafter() and stale.choose() > 0 and stale.reasons[-1] == "first draft"
+    stale.observe(cost_aware.RoundStats(expected=[4 * e for e in weak["expected_per_request"]],
+                                        predicted=[1.2] * 4, live=4))
+    assert stale.keeps_drafter() is False and stale.choose() == 0
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    truths = [greedy_reference(target, torch.tensor([p]), 16) for p in PROMPTS[:2]]
+    results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto",
+                             policy=cost_aware.AutoBudget(profile(costs.round_ms, 2), prior=weak))
+    assert [r.tokens for r in results] == truths and set(results[0].round_budgets) == {0}

@@ -194,10 +194,10 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
             out = generate_batch(target, drafter, prompts, (rounds + 2) * (1 + min(bucket, 1) * 3),
                                  budget="auto", policy=policy)
             best = min(best, policy.ms_per_round(out[0]))
-        if not math.isfinite(best):
-            raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
             if bar is not None:
                 bar.update(1)
+        if not math.isfinite(best):
+            raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
         round_ms[bucket] = best
     if bar is not None:
         bar.close()
@@ -292,7 +292,8 @@ class AutoBudget:
             raise ValueError(f"AutoBudget: the cost profile lacks buckets {missing}")
         self.batch, self.depth = batch, depth
         self.expected: Optional[List[float]] = None
-        if self.prior and self.prior.get("expected_per_request"):
+        if self.prior and self.prior.get("expected_per_request") and \
+                self.prior.get("plain_runs", 0) < self.REFRESH_AFTER:  # else: draft to re-check
             self.expected = [e * batch for e in self.prior["expected_per_request"]]
         self.live, self.live_at_draft = batch, batch
         self.wait, self.since_draft = self.probe_after, 0
@@ -302,7 +303,7 @@ class AutoBudget:
 
     def finish(self, calibration_sums: List[float]) -> dict:
         """At the end of a generation: what the next one may start from."""
-        learned = dict(calibration=list(calibration_sums))
+        learned = dict(calibration=list(calibration_sums), plain_runs=0)
         if self.expected is not None:
             learned["expected_per_request"] = [e / max(1, self.live_at_draft) for e in self.expected]
         elif self.prior:
@@ -317,10 +318,43 @@ class AutoBudget:
         ar_rate = self.rate(0, 1.0)
         return not any(self.rate(b, 1.0 + min(b, depth)) > ar_rate for b in self.buckets if b > 0)
 
+    REFRESH_AFTER = 16  # plain autoregressive generations before the drafter is tried again
+
+    def _probe_possible(self, expected: Optional[List[float]], live: float) -> bool:
+        """Whether a drafted round could come within probe_margin of an autoregressive one."""
+        if expected is None:
+            return True
+        drafted = self._best(expected, True)
+        return self.rate(drafted, expected[self.buckets.index(drafted)]) >= \
+            self.probe_margin * self.rate(0, live)
+
+    def plain_autoregressive(self, batch: int, depth: int) -> bool:
+        """Whether a whole generation should run as plain autoregressive decoding (no drafter
+        work): when no tree could pay even with every node accepted, or when what earlier
+        generations learned puts every tree below probe_margin of paying (then every
+        REFRESH_AFTER-th generation drafts again to re-check)."""
+        if self.never_drafts(depth):
+            self.plain_reason = "no tree could pay even if every node were accepted"
+            return True
+        prior = (self.prior or {}).get("expected_per_request")
+        if prior and (self.prior or {}).get("plain_runs", 0) < self.REFRESH_AFTER and \
+                not self._probe_possible([e * batch for e in prior], batch):
+            self.plain_reason = "earlier generations: no tree came close to paying"
+            return True
+        return False
+
+    def keeps_drafter(self) -> bool:
+        """False once no drafted round can follow in this generation (the estimate only changes
+        by drafting, and both sides scale with the live requests): the drafter's context is
+        then no longer kept up to date."""
+        return self._probe_possible(self.expected, max(1, self.live_at_draft))
+
     def record_autoregressive(self, rounds: int) -> None:
-        why = "no tree could pay even if every node were accepted"
+        """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
         self.choices += [0] * rounds
-        self.reasons += [why] * rounds
+        self.reasons += [getattr(self, "plain_reason", "plain autoregressive")] * rounds
+        self.learned = dict(self.prior or {})
+        self.learned["plain_runs"] = self.learned.get("plain_runs", 0) + 1
 
     def rate(self, bucket: int, tokens: float) -> float:
         """Tokens per millisecond of a round of `bucket` emitting `tokens`."""
@@ -344,8 +378,7 @@ class AutoBudget:
             choice, why = self._best(expected), "best expected tokens/s"
             drafted = self._best(expected, True)
             if choice == 0 and self.since_draft >= self.wait and \
-                    self.rate(drafted, expected[self.buckets.index(drafted)]) >= \
-                    self.probe_margin * ar_rate:
+                    self._probe_possible(self.expected, max(1, self.live_at_draft)):
                 choice, why = drafted, "probe"
         self.choices.append(choice)
         self.reasons.append(why)

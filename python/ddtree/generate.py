@@ -417,7 +417,8 @@ class _AutoRounds:
         emitted = requests.emitted(tree, verdict)
         batch = emitted.shape[0]
         if bucket == 0:
-            draft.defer(hidden_states)
+            if getattr(self.policy, "keeps_drafter", lambda: True)():
+                draft.defer(hidden_states)
         else:
             draft.commit(hidden_states, verdict)
             self.calibration.update(predicted * (verdict.accept_len > 0), verdict.accept_len)
@@ -454,8 +455,8 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     if budget == "auto" and policy is None:
         policy = cost_aware.auto_policy(target, drafter, len(prompts), cost_profile)
     # budget="auto" where no tree can pay at this batch size: plain autoregressive rounds.
-    auto_plain = budget == "auto" and hasattr(policy, "never_drafts") and \
-        policy.never_drafts(drafter.block_size - 1)
+    auto_plain = budget == "auto" and hasattr(policy, "plain_autoregressive") and \
+        policy.plain_autoregressive(len(prompts), drafter.block_size - 1)
     if auto_plain:
         mode, budget, budgets = "autoregressive", 0, [0] * len(prompts)
     started = time.perf_counter()
@@ -531,6 +532,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             clock.mark()
     if auto_plain:
         policy.record_autoregressive(len(clock.round_starts))
+        cost_aware.remember(policy)
     warmup_rounds = 2 if cuda_graph and mode != "autoregressive" else 1
     return requests.results(time.perf_counter() - started, clock.totals(),
                             clock.elapsed_before(warmup_rounds, started), warmup_rounds)
