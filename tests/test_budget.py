@@ -47,12 +47,13 @@ def test_lossless_through_every_bucket_transition(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("costs, expect", [
-    ({0: 10.0, 4: 10.5, 8: 11.0, 16: 11.5, 32: 12.0, 64: 13.0}, "drafted"),
+    ({0: 10.0, 4: 9.0, 8: 9.2, 16: 9.4, 32: 9.6, 64: 9.8}, "drafted"),  # trees always pay
     ({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, "autoregressive"),
 ])
 def test_auto_policy_is_lossless_and_follows_the_costs(kind, costs, expect):
-    """With the real AutoBudget policy: cheap trees -> drafted rounds; trees that cost more
-    than they could ever return -> autoregressive rounds only (no draft step at all)."""
+    """With the real AutoBudget policy: trees cheaper than a decoding step -> drafted rounds
+    (even the untrained drafter's ~1 token a round pays); trees that cost more than they could
+    ever return -> autoregressive rounds only (no draft step at all)."""
     target, drafter = make_target(kind), tiny_drafter()
     truths = [greedy_reference(target, torch.tensor([p]), 24) for p in PROMPTS[:2]]
     policy = cost_aware.AutoBudget(profile(costs, batch=2))
@@ -109,11 +110,13 @@ def test_policy_choices_and_probes():
     costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
     policy = cost_aware.AutoBudget(costs, probe_after=2, probe_margin=0.8)
     policy.start(1, 15, "cpu")
-    assert policy.choose() > 0 and policy.reasons[-1] == "first draft"
+    assert policy.choose() > 0  # the prior (3 tokens a drafted round) pays here
     # 2.8 tokens at budget 16 for 25 ms beats 1 token per 10 ms and the other sizes.
     stats = cost_aware.RoundStats(expected=[1.0, 2.0, 2.3, 2.8, 2.9, 3.0], predicted=[2.8], live=1)
-    policy.observe(stats)
-    assert policy.choose() == 16
+    for _ in range(3):  # the estimates move from the prior towards the observed gains
+        policy.observe(stats)
+        policy.choose()
+    assert policy.choices[-1] == 16
     policy.observe(stats)
     # Estimates that no longer pay, but within the margin: autoregressive, then a probe.
     weak = cost_aware.RoundStats(expected=[1.0, 1.5, 1.7, 2.1, 2.2, 2.3], predicted=[2.1], live=1)
@@ -202,7 +205,7 @@ def test_generations_that_cannot_pay_run_plain_autoregressive_and_recheck_later(
     stale = cost_aware.AutoBudget(costs, prior={**weak, "plain_runs": policy.REFRESH_AFTER})
     assert not stale.plain_autoregressive(4, 15)
     stale.start(4, 15, "cpu")
-    assert stale.keeps_drafter() and stale.choose() > 0 and stale.reasons[-1] == "first draft"
+    assert stale.keeps_drafter() and stale.choose() > 0 and stale.reasons[-1] == "re-check"
     stale.observe(cost_aware.RoundStats(expected=[4 * e for e in weak["expected_per_request"]],
                                         predicted=[1.2] * 4, live=4))
     assert stale.keeps_drafter() is False and stale.choose() == 0

@@ -291,10 +291,7 @@ class AutoBudget:
         if missing:
             raise ValueError(f"AutoBudget: the cost profile lacks buckets {missing}")
         self.batch, self.depth = batch, depth
-        self.expected: Optional[List[float]] = None
-        if self.prior and self.prior.get("expected_per_request") and \
-                self.prior.get("plain_runs", 0) < self.REFRESH_AFTER:  # else: draft to re-check
-            self.expected = [e * batch for e in self.prior["expected_per_request"]]
+        self.expected = self._initial_expected(batch, depth)
         self.live, self.live_at_draft = batch, batch
         self.wait, self.since_draft = self.probe_after, 0
 
@@ -319,6 +316,18 @@ class AutoBudget:
         return not any(self.rate(b, 1.0 + min(b, depth)) > ar_rate for b in self.buckets if b > 0)
 
     REFRESH_AFTER = 16  # plain autoregressive generations before the drafter is tried again
+    PRIOR_TOKENS = 3.0  # tokens a drafted round is assumed to emit before anything is learned
+
+    def _initial_expected(self, batch: int, depth: int) -> Optional[List[float]]:
+        """Summed expected tokens per bucket before this generation's first draft: what earlier
+        generations learned, else PRIOR_TOKENS a round (fewer for tiny trees); None when a
+        re-check is due (the first round then drafts)."""
+        prior = self.prior or {}
+        if prior.get("plain_runs", 0) >= self.REFRESH_AFTER:
+            return None
+        per_request = prior.get("expected_per_request") or \
+            [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets]
+        return [e * batch for e in per_request]
 
     def _probe_possible(self, expected: Optional[List[float]], live: float) -> bool:
         """Whether a drafted round could come within probe_margin of an autoregressive one."""
@@ -330,16 +339,15 @@ class AutoBudget:
 
     def plain_autoregressive(self, batch: int, depth: int) -> bool:
         """Whether a whole generation should run as plain autoregressive decoding (no drafter
-        work): when no tree could pay even with every node accepted, or when what earlier
-        generations learned puts every tree below probe_margin of paying (then every
-        REFRESH_AFTER-th generation drafts again to re-check)."""
+        work): when no tree could pay even with every node accepted, or when the expected gains
+        (learned by earlier generations, else the prior) put every tree below probe_margin of
+        paying; every REFRESH_AFTER-th such generation drafts again to re-check."""
         if self.never_drafts(depth):
             self.plain_reason = "no tree could pay even if every node were accepted"
             return True
-        prior = (self.prior or {}).get("expected_per_request")
-        if prior and (self.prior or {}).get("plain_runs", 0) < self.REFRESH_AFTER and \
-                not self._probe_possible([e * batch for e in prior], batch):
-            self.plain_reason = "earlier generations: no tree came close to paying"
+        initial = self._initial_expected(batch, depth)
+        if initial is not None and not self._probe_possible(initial, batch):
+            self.plain_reason = "expected gains: no tree comes close to paying"
             return True
         return False
 
@@ -372,7 +380,8 @@ class AutoBudget:
         if not any(self.rate(b, o) > ar_rate for b, o in zip(self.buckets, optimistic) if b):
             choice, why = 0, "no tree could pay even if every node were accepted"
         elif self.expected is None:
-            choice, why = self._best([live * 2.0] * len(self.buckets), True), "first draft"
+            prior = [live * min(1.0 + min(b, self.depth), self.PRIOR_TOKENS) for b in self.buckets]
+            choice, why = self._best(prior, True), "re-check"
         else:
             expected = [e * live / max(1, self.live_at_draft) for e in self.expected]
             choice, why = self._best(expected), "best expected tokens/s"
