@@ -14,8 +14,8 @@ os.environ.setdefault("DDTREE_CACHE_DIR", tempfile.mkdtemp(prefix="ddtree-test-c
 
 
 def golden_dir() -> Path:
-    """The published-reference golden vectors, copied into the repository (tests/data/golden, from
-    the team's shared/golden; DDTREE_GOLDEN_DIR points elsewhere)."""
+    """The published-reference golden vectors in the repository (tests/data/golden;
+    DDTREE_GOLDEN_DIR points elsewhere)."""
     env = os.environ.get("DDTREE_GOLDEN_DIR")
     candidates = [Path(env)] if env else []
     candidates += [ROOT / "tests" / "data" / "golden"]

@@ -1,7 +1,7 @@
 """Training: DFlash drafters for any transformers causal-LM target (`ddtree train-drafter`), and the
 pieces that build the embedded pair (tokenizer, small target) from the Python standard library.
 
-DFlash recipe (arXiv 2602.06036, as specified in issue 10): the target is frozen and supplies the
+DFlash recipe (arXiv 2602.06036): the target is frozen and supplies the
 context features (hidden states of `target_layer_ids`) and the shared embedding / LM head; each
 training sequence gets random anchor positions; the block after an anchor is
 `[anchor token, MASK x (block_size - 1)]` at positions anchor .. anchor + block_size - 1, its
