@@ -152,7 +152,8 @@ def test_cost_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "generate_batch", no_measuring)
     again = cost_aware.calibrate(target, drafter, 2, progress=False)
     assert again == measured
-    assert cost_aware.load_profile(target, tiny_drafter(seed=9), 2) is None  # other weights
+    assert cost_aware.load_profile(target, tiny_drafter(seed=9), 2) == measured  # same shapes
+    assert cost_aware.load_profile(target, tiny_drafter(block_size=4), 2) is None  # other drafter
     assert cost_aware.load_profile(target, drafter, 3) is None               # other batch size
 
 

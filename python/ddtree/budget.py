@@ -7,7 +7,7 @@ expected tokens per second, autoregressive decoding included.
   maps the drafter's predicted acceptance to the observed one: decayed sums of predicted and
   accepted nodes, updated from every verdict on the device.
 - Measured cost: `CostProfile` holds the milliseconds of one round of each bucket on this
-  device / dtype / model / batch size, measured by `calibrate` (a few short generations, the same
+  device / dtype / architecture / batch size, measured by `calibrate` (a few short generations, the same
   loop the real rounds run) and cached on disk (`ddtree calibrate` prints and plots it).
 - The policy: `AutoBudget` picks, once per round from the round's one host read, the bucket
   maximising sum of expected emitted tokens / round cost; bucket 0 is an autoregressive round
@@ -31,7 +31,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import ops
 from .version import __version__
 
 BUCKETS = (0, 4, 8, 16, 32, 64)  # tree budgets (draft nodes below the root); 0: autoregressive
@@ -64,32 +63,24 @@ class Calibration:
         self.sums.mul_(self.decay).add_(both)
 
 
-def predicted_nodes(tree: ops.DraftTree, index: torch.Tensor) -> torch.Tensor:
-    """[B, len(index)]: the drafter's expected accepted nodes of the tree's best n-node prefixes,
-    n = index (ddtree.expected_accepts at those rows)."""
-    return tree.path_logprobs.exp().cumsum(1).index_select(1, index) - 1.0
-
-
 # ---- measured cost ----
 
 def _model_key(model) -> str:
+    """The architecture (config without its path, parameter shapes): what a round's cost depends
+    on. Weight values do not matter, so no device read."""
     if model is None:
         return "none"
     cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
     cfg.pop("_name_or_path", None)
-    params = list(model.parameters())
-    # A few values of every parameter (one device-to-host copy): other weights, other key.
-    probe = torch.cat([p.detach().flatten()[:8].float() for p in params]).cpu()
-    probe = [sum(p.numel() for p in params), round(float(probe.sum()), 6),
-             round(float((probe * torch.arange(probe.numel())).sum()), 3)]
-    text = json.dumps([cfg, params, probe], sort_keys=True, default=str)
+    shapes = [list(p.shape) for p in model.parameters()]
+    text = json.dumps([cfg, shapes], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return f"{platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 @dataclass
@@ -168,8 +159,9 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
               use_cache: bool = True) -> CostProfile:
     """The cost profile of `batch` requests: for each bucket, `repeats` short greedy generations
     of random prompts in which every round verifies that bucket (the loop of budget="auto"),
-    timed after their warm-up; the fastest repeat counts. Cached on disk per model / drafter /
-    device / dtype / library version / batch size (use_cache=False measures again)."""
+    timed after their warm-up; the fastest repeat counts. Cached on disk per architecture (target
+    and drafter) / device / dtype / library version / batch size (use_cache=False measures
+    again)."""
     if use_cache:
         cached = load_profile(target, drafter, batch)
         if cached is not None and set(buckets) <= set(cached.round_ms):

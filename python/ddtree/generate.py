@@ -372,6 +372,21 @@ class _Requests:
         return out
 
 
+def _verify(clock, verifier, sampler, requests, tree, vis, valid, check_ranks):
+    """The target's side of a round: the verify pass, the walk (finished requests accept
+    nothing), the tensor-parallel rank check, the stage mark, the target's commit. Returns
+    (verdict, hidden states, the round's emitted rows for the host read)."""
+    logits, hidden_states = verifier.step(tree, vis, valid)
+    verdict = sampler.verify(tree, logits, verifier.vocab_shard)
+    verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
+    if check_ranks is not None:
+        check_ranks(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
+                    accept_len=verdict.accept_len, bonus=verdict.bonus)
+    clock.mark()
+    verifier.commit(verdict)
+    return verdict, hidden_states, requests.emitted(tree, verdict)
+
+
 class _AutoRounds:
     """One round of budget="auto": the policy's bucket (from the last round's host read); an
     autoregressive round (the drafter defers the accepted row to its context) or a drafted round
@@ -400,21 +415,14 @@ class _AutoRounds:
                 draft_logits.shape[-1] == self.shard.local_size else None
             built = self.buckets[min(self.buckets.index(bucket) + 1, len(self.buckets) - 1)]
             full = ops.draft_tree(draft_logits, bonus, built, vocab_shard=local)
-            nodes = cost_aware.predicted_nodes(full, self.index[built])  # [B, buckets]
+            nodes = ops.expected_accepts(full).index_select(1, self.index[built])  # [B, buckets]
             expected = 1.0 + nodes * self.calibration.ratio()
             predicted = nodes[:, self.buckets.index(bucket)]
             tree = ops.first_nodes(full, bucket)
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
         clock.mark()
-        logits, hidden_states = verifier.step(tree, vis, valid)
-        verdict = sampler.verify(tree, logits, verifier.vocab_shard)
-        verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
-        if check_ranks is not None:
-            check_ranks(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
-                        accept_len=verdict.accept_len, bonus=verdict.bonus)
-        clock.mark()
-        verifier.commit(verdict)
-        emitted = requests.emitted(tree, verdict)
+        verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree, vis,
+                                                  valid, check_ranks)
         batch = emitted.shape[0]
         if bucket == 0:
             if getattr(self.policy, "keeps_drafter", lambda: True)():
@@ -516,17 +524,9 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             else:
                 tree, vis = root_tree(bonus, valid)
             clock.mark()
-            logits, hidden_states = verifier.step(tree, vis, valid)
-            verdict = sampler.verify(tree, logits, verifier.vocab_shard)
-            verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
-            if check_ranks is not None:
-                check_ranks(tokens=tree.node_tokens, parents=tree.parents,
-                            accepted=verdict.accepted, accept_len=verdict.accept_len,
-                            bonus=verdict.bonus)
-            clock.mark()
-            verifier.commit(verdict)
+            verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree,
+                                                      vis, valid, check_ranks)
             draft.commit(hidden_states, verdict)
-            emitted = requests.emitted(tree, verdict)
             valid, bonus = valid + verdict.accept_len, verdict.bonus
             requests.take(emitted.tolist(), 0 if auto_plain else None)  # the one host read
             clock.mark()

@@ -85,8 +85,7 @@ def expected_accepts(tree: DraftTree) -> torch.Tensor:
     is 0 (the root alone). Padding rows add 0. Device ops only (no host read)."""
     if tree.path_logprobs is None:
         raise ValueError("expected_accepts: the tree has no path_logprobs (build_tree trees have)")
-    p = tree.path_logprobs[:, 1:].exp()
-    return torch.cat([p.new_zeros(p.shape[0], 1), p.cumsum(1)], 1)
+    return tree.path_logprobs.exp().cumsum(1) - 1.0  # the root row's exp(0) = 1 taken off
 
 
 def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> GreedyVerdict:

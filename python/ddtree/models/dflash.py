@@ -149,11 +149,7 @@ class DFlashAttention(nn.Module):
                                   self.q_norm.variance_epsilon, context_len=ctx_rows.new_t)
             return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
         q, k, v = self.norm_rope(q, k, v, rope_q, rope_kv)
-        # Every new row (padding too) is written at cached + j; padding rows lie past the
-        # request's context, are masked, and the next rows overwrite them.
-        at = (ctx_rows.cached_t[:, None] + torch.arange(c, device=x.device))[:, None, :, None]
-        for cache, new in zip(cache_kv, (k, v)):
-            cache.scatter_(2, at.expand(-1, cache.shape[1], -1, cache.shape[3]), new[:, :, :c])
+        write_context_rows(cache_kv, ctx_rows.cached_t, k[:, :, :c], v[:, :, :c])
         keys = torch.cat([cache_kv[0][:, :, : ctx_rows.key_rows], k[:, :, c:]], 2)
         values = torch.cat([cache_kv[1][:, :, : ctx_rows.key_rows], v[:, :, c:]], 2)
         return self.attend(q, keys, values, ctx_rows.key_mask(s))
@@ -175,6 +171,14 @@ class DFlashAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, *rope_kv)
         return q, k, v.transpose(1, 2)
 
+    def context_kv(self, ctx, rope):
+        """Keys / values [B, Hkv, C, D] of context rows alone (k-norm + RoPE at `rope`'s
+        positions): what the forward caches for them, without a block."""
+        b, c, _ = ctx.shape
+        k = self.k_norm(self.k_proj(ctx).view(b, c, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        k, _ = apply_rotary_pos_emb(k, k, *rope)
+        return k, self.v_proj(ctx).view(b, c, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
     def attend(self, q, keys, values, mask):
         """SDPA (GQA by repeating K/V heads; mask True = visible, non-causal) + o_proj:
         q [B, Hq, S, D], keys / values [B, Hkv, K, D] -> [B, S, H]."""
@@ -183,6 +187,15 @@ class DFlashAttention(nn.Module):
         attn = torch.nn.functional.scaled_dot_product_attention(
             q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask)
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+def write_context_rows(cache_kv, cached_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Context rows k / v [B, Hkv, C, D] into the cache (K, V) [B, Hkv, S, D] at rows cached_t + j.
+    Every row is written, padding too: padding rows lie past the request's context, are masked,
+    and the next rows overwrite them."""
+    at = (cached_t[:, None] + torch.arange(k.shape[2], device=k.device))[:, None, :, None]
+    for cache, new in zip(cache_kv, (k, v)):
+        cache.scatter_(2, at.expand(-1, cache.shape[1], -1, cache.shape[3]), new.to(cache.dtype))
 
 
 class ContextRows:
@@ -487,22 +500,13 @@ class DFlashDraftState:
         """Context rows straight into the cache, without drafting a block: the context keys /
         values of every draft layer depend only on the target features (k / v projections,
         k-norm, RoPE at the rows' positions). feats [B, C, n*H] land at rows cached_t + j;
-        `rows` ([B] tensor or int) of them are real and cached_t advances by it. Rows past a
-        request's real ones land beyond its context (masked, later overwritten), as in the
-        draft step."""
+        `rows` ([B] tensor or int) of them are real and cached_t advances by it."""
         drafter, ctx_rows = self.drafter, self.rows
         ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))
-        b, c, _ = ctx.shape
-        at = ctx_rows.cached_t[:, None] + torch.arange(c, device=ctx.device)
-        rope = drafter.rotary_emb(ctx, at)
+        rope = drafter.rotary_emb(ctx, ctx_rows.cached_t[:, None] +
+                                  torch.arange(ctx.shape[1], device=ctx.device))
         for layer, kv in zip(drafter.layers, self.cache.layers):
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(ctx).view(b, c, attn.num_kv_heads, attn.head_dim))
-            k, _ = apply_rotary_pos_emb(k.transpose(1, 2), k.transpose(1, 2), *rope)
-            v = attn.v_proj(ctx).view(b, c, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-            index = at[:, None, :, None].expand(-1, kv[0].shape[1], -1, kv[0].shape[3])
-            for cache, new in zip(kv, (k, v)):
-                cache.scatter_(2, index, new.to(cache.dtype))
+            write_context_rows(kv, ctx_rows.cached_t, *layer.self_attn.context_kv(ctx, rope))
         ctx_rows.cached_t += rows
 
     @torch.no_grad()
