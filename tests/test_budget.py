@@ -203,6 +203,7 @@ def test_generations_that_cannot_pay_run_plain_autoregressive_and_recheck_later(
     assert policy.plain_autoregressive(4, 15)
     policy.record_autoregressive(30)
     assert policy.learned["plain_runs"] == 1 and policy.choices == [0] * 30
+    assert "autoregressive rounds in 30 of 30 rounds" in policy.explain()
     stale = cost_aware.AutoBudget(costs, prior={**weak, "plain_runs": policy.REFRESH_AFTER})
     assert not stale.plain_autoregressive(4, 15)
     stale.start(4, 15, "cpu")
@@ -210,6 +211,10 @@ def test_generations_that_cannot_pay_run_plain_autoregressive_and_recheck_later(
     stale.observe(cost_aware.RoundStats(expected=[4 * e for e in weak["expected_per_request"]],
                                         predicted=[1.2] * 4, live=4))
     assert stale.keeps_drafter() is False and stale.choose() == 0
+    never = cost_aware.AutoBudget(profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}))
+    assert never.plain_autoregressive(4, 15)
+    never.record_autoregressive(3)
+    assert "autoregressive rounds in 3 of 3 rounds" in never.explain()
     target, drafter = tiny_target(seed=3), tiny_drafter()
     truths = [greedy_reference(target, torch.tensor([p]), 16) for p in PROMPTS[:2]]
     results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto",

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <ATen/MemoryOverlap.h>
 
-#include <cstdlib>
 #include <cmath>
 #include <vector>
 #include <stdexcept>
@@ -56,35 +55,52 @@ namespace {
 std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
   const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
   int64_t extent = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * std::abs(t.stride(d));
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);  // strides >= 0
   return {base, base + static_cast<uintptr_t>((extent + 1) * t.element_size()) - 1};
 }
 
 }  // namespace
 
-void check_inplace_outputs(const char* op, const std::vector<NamedTensor>& outputs) {
-  for (const auto& [name, t] : outputs)
-    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, op, ": ", name,
-                " is written in place and must not be an expanded or self-overlapping view ",
-                "(strides ", t->strides(), " for shape ", t->sizes(), "); pass a real tensor, e.g. ",
-                ".contiguous()");
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    const at::Tensor& a = *outputs[i].second;
-    if (a.numel() == 0) continue;
-    for (size_t j = i + 1; j < outputs.size(); ++j) {
-      const at::Tensor& b = *outputs[j].second;
-      if (b.numel() == 0 || !a.is_alias_of(b)) continue;
+void check_inplace_outputs(const char* op, const std::vector<InplaceOutputs>& groups) {
+  struct Written {
+    const void* storage;
+    const at::Tensor* t;
+    const InplaceOutputs* group;
+    size_t index;
+  };
+  std::vector<Written> all;
+  for (const InplaceOutputs& g : groups)
+    for (size_t i = 0; i < g.tensors.size(); ++i) {
+      const at::Tensor& t = g.tensors[i];
+      TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", g.name,
+                  g.indexed ? "[" + std::to_string(i) + "]" : std::string(),
+                  " is written in place and must not be an expanded or self-overlapping view ",
+                  "(strides ", t.strides(), " for shape ", t.sizes(),
+                  "); pass a real tensor, e.g. .contiguous()");
+      if (t.numel() > 0) all.push_back({t.storage().data(), &t, &g, i});
+    }
+  // Only tensors of one storage can share memory: sort by storage, compare within a storage.
+  std::sort(all.begin(), all.end(),
+            [](const Written& a, const Written& b) { return a.storage < b.storage; });
+  const auto label = [](const Written& w) {
+    return std::string(w.group->name) + (w.group->indexed ? "[" + std::to_string(w.index) + "]" : "");
+  };
+  for (size_t i = 0; i < all.size(); ++i)
+    for (size_t j = i + 1; j < all.size() && all[j].storage == all[i].storage; ++j) {
+      const at::Tensor &a = *all[i].t, &b = *all[j].t;
       const at::MemOverlapStatus status = at::get_overlap_status(a, b);
       bool shared = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
       if (status == at::MemOverlapStatus::TooHard) {
         const auto sa = byte_span(a), sb = byte_span(b);
         shared = sa.first <= sb.second && sb.first <= sa.second;
       }
-      TORCH_CHECK(!shared, op, ": ", outputs[i].first, " and ", outputs[j].first,
+      const bool in_order = all[i].group < all[j].group ||
+                            (all[i].group == all[j].group && all[i].index < all[j].index);
+      TORCH_CHECK(!shared, op, ": ", label(in_order ? all[i] : all[j]), " and ",
+                  label(in_order ? all[j] : all[i]),
                   " share memory; every tensor written in place must be a separate buffer (the ",
                   "same tensor given twice would be updated twice)");
     }
-  }
 }
 
 int64_t validate_tree_parents(const char* op, const at::Tensor& parents,

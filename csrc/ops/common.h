@@ -71,12 +71,17 @@ struct DraftTreeTensors {
 void check_same_device(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& like);
 
-// The tensors an op writes in place (named, e.g. "caches[3]"): none may be an expanded or
-// self-overlapping view (stride 0: one element written for many), and no two may share memory.
-// Overlap that ATen cannot rule out for non-dense views counts as shared when the byte ranges
-// of one storage intersect.
-using NamedTensor = std::pair<std::string, const at::Tensor*>;
-void check_inplace_outputs(const char* op, const std::vector<NamedTensor>& outputs);
+// The tensors an op writes in place, by argument: `indexed` names them "caches[3]", else
+// "cache". None may be an expanded or self-overlapping view (stride 0: one element written for
+// many), and no two may share memory. Overlap that ATen cannot rule out for non-dense views
+// counts as shared when the byte ranges of one storage intersect. Names are built only for an
+// error (the commit ops call this every round).
+struct InplaceOutputs {
+  const char* name;
+  at::TensorList tensors;
+  bool indexed;
+};
+void check_inplace_outputs(const char* op, const std::vector<InplaceOutputs>& groups);
 
 // Host-side value checks of a padded tree batch: num_nodes (int64 [B]) in [0, N]; parents
 // (contiguous int32/int64 [B, N]) in [-1, i) for real rows and -1 for padding rows. Returns the

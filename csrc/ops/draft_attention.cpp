@@ -56,7 +56,7 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
                                 {"v_new", &v_new}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
                                 {"cache_len", &cache_len}, {"cos", &cos}, {"sin", &sin}})
     check_same_device(op, name, *t, q);
-  check_inplace_outputs(op, {{"k_cache", &k_cache}, {"v_cache", &v_cache}});
+  check_inplace_outputs(op, {{"k_cache", k_cache, false}, {"v_cache", v_cache, false}});
   const int64_t S = k_cache.size(2);
   const Tensor len = cache_len.to(at::kLong).contiguous();
   Tensor ctx_len;

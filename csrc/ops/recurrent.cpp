@@ -317,14 +317,9 @@ void commit_layers(const char* op, at::TensorList states, at::TensorList conv_st
                 conv_states[i].sizes());
     check_same_device(op, "every layer's k", k[i], k[0]);
   }
-  std::vector<NamedTensor> written;
   const bool one = layers == 1;
-  for (size_t i = 0; i < layers; ++i) {
-    written.emplace_back(one ? std::string("state") : "states[" + std::to_string(i) + "]", &states[i]);
-    written.emplace_back(one ? std::string("conv_state") : "conv_states[" + std::to_string(i) + "]",
-                         &conv_states[i]);
-  }
-  check_inplace_outputs(op, written);
+  check_inplace_outputs(op, {{one ? "state" : "states", states, !one},
+                             {one ? "conv_state" : "conv_states", conv_states, !one}});
   const CommitRecurrentParams& first = prepared[0].params;
   const int64_t B = first.gdn.batch, N = first.gdn.n;
   check_index_tensor(op, "slots", slots);

@@ -204,11 +204,7 @@ void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len
                 caches[i].scalar_type());
     check_same_device(op, "caches", caches[i], cache);
   }
-  std::vector<NamedTensor> written;
-  for (size_t i = 0; i < caches.size(); ++i)
-    written.emplace_back(caches.size() == 1 ? std::string("cache") : "caches[" + std::to_string(i) + "]",
-                         &caches[i]);
-  check_inplace_outputs(op, written);
+  check_inplace_outputs(op, {{caches.size() == 1 ? "cache" : "caches", caches, caches.size() > 1}});
   const bool heads_first = layout == "BHSD";
   const int64_t B = cache.size(0), H = cache.size(heads_first ? 1 : 2);
   const int64_t S = cache.size(heads_first ? 2 : 1), D = cache.size(3);

@@ -278,6 +278,10 @@ class AutoBudget:
     choices: List[int] = field(default_factory=list)
     reasons: List[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        self.expected: Optional[List[float]] = None
+        self.live = self.live_at_draft = 1
+
     def start(self, batch: int, depth: int, device) -> None:
         missing = [b for b in self.buckets if b not in self.profile.round_ms]
         if missing:
@@ -340,6 +344,7 @@ class AutoBudget:
         initial = self._initial_expected(batch, depth)
         if initial is not None and not self._probe_possible(initial, batch):
             self.plain_reason = "expected gains: no tree comes close to paying"
+            self.expected, self.live_at_draft = initial, batch  # what explain() reports
             return True
         return False
 
