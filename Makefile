@@ -10,7 +10,7 @@ STAMP := $(VENV)/.ddtree-deps
 CMAKE_BUILD ?= build/cmake
 CUDA_HOME ?= $(shell test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda)
 
-.PHONY: all build test test-asan test-tsan demo embedded-pair bench-cpp bench-cpu clean
+.PHONY: all build test test-asan test-tsan demo embedded-pair bench-cpp bench-cpu kernel-resources clean
 
 all: build
 
@@ -72,6 +72,12 @@ bench-cpp: $(STAMP)
 bench-cpu: bench-cpp
 	$(CMAKE_BUILD)/bench_tree_visibility
 	$(CMAKE_BUILD)/bench_tree_ops
+
+# Registers, spills, local memory, FP64 and occupancy of every CUDA kernel, read from nvcc and
+# cuobjdump for sm_90 and sm_120 (no GPU needed): fails on a spill, a local-memory access, FP64
+# without a listed reason, or occupancy under the floors (bench/kernel_resources.py).
+kernel-resources: build
+	PYTHONPATH=python $(VPY) bench/kernel_resources.py
 
 clean:
 	rm -rf build python/ddtree/_C*.so python/ddtree/_build_info.py

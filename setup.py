@@ -3,7 +3,7 @@ torch are present (decided without looking for a GPU).
 
 Environment:
   DDTREE_CUDA=auto|0|1     auto (default): CUDA kernels if possible; 1: require them; 0: CPU only
-  TORCH_CUDA_ARCH_LIST     e.g. "8.0;9.0;12.0+PTX" (the default); "9.0a" style entries allowed
+  TORCH_CUDA_ARCH_LIST     e.g. "8.0;9.0;10.0;12.0+PTX" (the default); "9.0a" style entries allowed
   CUDA_HOME / CUDA_PATH    toolkit root; otherwise /usr/local/cuda, otherwise found from nvcc
   MAX_JOBS                 parallel compile jobs (ninja)
   DDTREE_SANITIZE=1        CPU-only build with AddressSanitizer + UndefinedBehaviorSanitizer
@@ -21,7 +21,7 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).parent.resolve()
-DEFAULT_ARCHS = "8.0;9.0;12.0+PTX"
+DEFAULT_ARCHS = "8.0;9.0;10.0;12.0+PTX"
 
 
 def find_cuda_home():

@@ -208,7 +208,23 @@ int main() {
     if (gpu::launch_verify_sample(sp, nullptr) != 0) return fail("verify_sample launch");
     if (!check_path(tree, n, download(d_acc, sb * width), download(d_len, sb), width))
       return fail("verify_sample");
-    std::printf("verify_sample (T=0.8, top-k 50, top-p 0.9): %8.1f us\n",
+    std::printf("verify_sample (T=0.8, top-k 50, top-p 0.9), block per request walks: %8.1f us\n",
+                time_us([&] { gpu::launch_verify_sample(sp, nullptr); }, 10));
+    // The launcher's small-batch mode: every row drawn by its own block, then the walks. Same
+    // tokens as the walk above (each row's draw depends only on its counters).
+    const std::vector<int64_t> walked_acc = download(d_acc, sb * width), walked_bonus = download(d_bonus, sb);
+    std::vector<int64_t> rows(sb * n, 0);
+    sp.row_tokens = upload(rows);
+    if (gpu::launch_verify_sample(sp, nullptr) != 0) return fail("verify_sample (rows) launch");
+    if (download(d_acc, sb * width) != walked_acc || download(d_bonus, sb) != walked_bonus)
+      return fail("verify_sample (rows) differs from the walk");
+    std::printf("verify_sample, every row drawn by its own block + walk:           %8.1f us\n",
+                time_us([&] { gpu::launch_verify_sample(sp, nullptr); }, 10));
+    sp.walk.batch = 1;
+    std::printf("verify_sample B = 1, rows at once:                                 %8.1f us\n",
+                time_us([&] { gpu::launch_verify_sample(sp, nullptr); }, 10));
+    sp.row_tokens = nullptr;
+    std::printf("verify_sample B = 1, block walks:                                  %8.1f us\n",
                 time_us([&] { gpu::launch_verify_sample(sp, nullptr); }, 10));
   }
 

@@ -2,6 +2,8 @@
 // torch.ops.ddtree.* (registered in registration.cpp and ops/).
 #include <torch/extension.h>
 
+#include "core/tree_sample.h"
+#include "kernels/launchers.h"
 #include "ops/common.h"
 #include "simt/runtime.h"
 
@@ -28,6 +30,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_emulator_max_dynamic_smem",
         [](size_t bytes) { ddtree::simt::options().max_dynamic_smem = bytes; });
   m.def("emulator_max_dynamic_smem", [] { return ddtree::simt::options().max_dynamic_smem; });
+  m.def("quantise_weight", &ddtree::quantise_weight,
+        "verify_sample's token weight round(e * 2^44) of e = exp(z - max) in [0, 1]");
+  m.def("kernel_shapes", [] {
+    std::vector<std::tuple<std::string, int, size_t, std::string>> rows;
+    for (const auto& s : ddtree::emulated::kernel_shapes())
+      rows.emplace_back(s.kernel, s.threads, s.dynamic_smem, s.at);
+    return rows;
+  }, "(kernel, threads per block, dynamic shared memory bytes, problem size) of every CUDA launch");
   m.def("attention_splits",
         [](int64_t requested, int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t max_keys,
            int64_t sm_count) {

@@ -24,12 +24,12 @@ def _cuda_build_expected() -> bool:
 
 def test_cuda_kernels_compiled_in_when_possible():
     """`make test` builds the CUDA kernels whenever nvcc and a CUDA torch exist (CI forces it with
-    DDTREE_CUDA=1), for sm_80, sm_90 and sm_120."""
+    DDTREE_CUDA=1), for sm_80, sm_90, sm_100 and sm_120."""
     from ddtree import _build_info
 
     assert ddtree.has_cuda_kernels() == _cuda_build_expected()
     if ddtree.has_cuda_kernels() and "TORCH_CUDA_ARCH_LIST" not in os.environ:
-        assert _build_info.CUDA_ARCH_LIST == "8.0;9.0;12.0+PTX"
+        assert _build_info.CUDA_ARCH_LIST == "8.0;9.0;10.0;12.0+PTX"
 
 
 def test_cuda_implementations_registered_exactly_in_cuda_builds():

@@ -12,6 +12,14 @@
 #define DDTREE_HOST_DEVICE inline
 #endif
 
+// Full unrolling of a loop over a small fixed-size array, so that nvcc keeps the array in
+// registers (an array indexed by a run-time value lives in local memory); nothing on the host.
+#if defined(__CUDACC__)
+#define DDTREE_UNROLL _Pragma("unroll")
+#else
+#define DDTREE_UNROLL
+#endif
+
 // `#pragma omp simd reduction(+ : var)` on the next loop in the host builds (g++ with -fopenmp /
 // -fopenmp-simd: the CPU ops, the emulator, the C++ benchmarks): the sum may be reassociated
 // into vector lanes. Nothing under nvcc.
@@ -62,6 +70,11 @@ DDTREE_HOST_DEVICE float bf16_bits_to_float(uint16_t h) {
 
 // IEEE binary16 -> binary32, exact (subnormals included).
 DDTREE_HOST_DEVICE float half_bits_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t man = h & 0x3ffu;
@@ -74,17 +87,29 @@ DDTREE_HOST_DEVICE float half_bits_to_float(uint16_t h) {
     ++shifts;
   }
   return float_from_bits(sign | ((113u - shifts) << 23) | ((man & 0x3ffu) << 13));
+#endif
 }
 
 // binary32 -> bfloat16 / binary16 bits, round to nearest even (NaN stays NaN, overflow -> inf).
 DDTREE_HOST_DEVICE uint16_t float_to_bf16_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  uint16_t h;  // one instruction on sm_80+; equal to the code below except for NaN payloads
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
   const uint32_t u = float_bits(f);
   if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu))
     return static_cast<uint16_t>((u >> 16) | 0x40u);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 
 DDTREE_HOST_DEVICE uint16_t float_to_half_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  uint16_t h;  // one instruction; equal to the code below except for NaN payloads
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
   const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u, exp = (u >> 23) & 0xffu;
   uint32_t man = u & 0x7fffffu;
@@ -104,6 +129,7 @@ DDTREE_HOST_DEVICE uint16_t float_to_half_bits(float f) {
   const uint32_t rem = man & 0x1fffu;
   if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
   return static_cast<uint16_t>(h);
+#endif
 }
 
 // Neither NaN nor -inf (bit test: immune to fast-math assumptions).

@@ -33,21 +33,29 @@ struct TreeConvParams {
 
 constexpr int kMaxConvWidth = 8;
 
-// Nodes of the window ending at node i: anc[W-1] = i, anc[W-2] = parent, ...; -1 above the root
-// (those positions read the committed window). Returns how many are tree nodes.
-DDTREE_HOST_DEVICE int conv_window_nodes(const int64_t* parents, int64_t count, int64_t i,
-                                         int width, int64_t* anc) {
-  int have = 0;
+// The tree nodes of the window ending at node i, nearest first: back[0] = i, back[j] = the j-th
+// ancestor, -1 above the root or past the width (window position w holds back[W-1-w]; positions
+// without a node read the committed window). Indexed with compile-time j only (registers on a GPU).
+struct ConvWindow {
+  int64_t back[kMaxConvWidth];
+  int have;  // tree nodes in the window
+};
+
+DDTREE_HOST_DEVICE ConvWindow conv_window_nodes(const int64_t* parents, int64_t count, int64_t i,
+                                                int width) {
+  ConvWindow win;
+  win.have = 0;
   int64_t node = i;
-  for (int w = width - 1; w >= 0; --w) {
-    anc[w] = node;
-    if (node >= 0) {
-      ++have;
+  DDTREE_UNROLL
+  for (int j = 0; j < kMaxConvWidth; ++j) {
+    win.back[j] = j < width ? node : -1;
+    if (j < width && node >= 0) {
+      ++win.have;
       const int64_t p = node < count ? parents[node] : -1;
       node = (p >= 0 && p < node) ? p : -1;
     }
   }
-  return have;
+  return win;
 }
 
 // Pool row of request b.
@@ -57,16 +65,20 @@ DDTREE_HOST_DEVICE int64_t conv_pool_slot(const TreeConvParams& p, int64_t b) {
 
 DDTREE_HOST_DEVICE float silu(float v) { return v / (1.f + expf(-v)); }
 
-// Output of channel c at node i of request b (window from conv_window_nodes).
+// Output of channel c at node i of request b (window from conv_window_nodes); window positions
+// are summed in increasing w.
 DDTREE_HOST_DEVICE float tree_conv_value(const TreeConvParams& p, int64_t b, int64_t c,
-                                         const int64_t* anc, int have) {
+                                         const ConvWindow& win) {
   const int W = static_cast<int>(p.width);
-  const int from_state = W - have;  // window[t] = committed[have + t] for t < from_state
+  const int from_state = W - win.have;  // window[w] = committed[have + w] for w < from_state
   const int64_t pool_row = (conv_pool_slot(p, b) * p.channels + c) * p.width;
   float acc = p.bias ? p.bias[c] : 0.f;
-  for (int w = 0; w < W; ++w) {
-    const float in = w < from_state ? load_elem(p.conv_pool, p.dtype, pool_row + have + w)
-                                    : load_elem(p.x, p.dtype, (b * p.n + anc[w]) * p.channels + c);
+  DDTREE_UNROLL
+  for (int j = kMaxConvWidth - 1; j >= 0; --j) {
+    if (j >= W) continue;
+    const int w = W - 1 - j;
+    const float in = w < from_state ? load_elem(p.conv_pool, p.dtype, pool_row + win.have + w)
+                                    : load_elem(p.x, p.dtype, (b * p.n + win.back[j]) * p.channels + c);
     acc += p.weight[c * W + w] * in;
   }
   return p.silu ? silu(acc) : acc;
@@ -156,7 +168,9 @@ DDTREE_HOST_DEVICE void gdn_schedule(const int64_t* parents, int64_t count, int6
 
 // Element offsets of q / k (key head of value head h) and of v at token (b, i).
 DDTREE_HOST_DEVICE int64_t gdn_qk_offset(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h) {
-  return (b * p.n + i) * p.qk_token_stride + h / (p.hv / p.hk) * p.dk;
+  // Head counts fit 32 bits; a 64-bit division is a subroutine call on a GPU.
+  const uint32_t group = static_cast<uint32_t>(p.hv) / static_cast<uint32_t>(p.hk);
+  return (b * p.n + i) * p.qk_token_stride + static_cast<int64_t>(static_cast<uint32_t>(h) / group) * p.dk;
 }
 DDTREE_HOST_DEVICE int64_t gdn_v_offset(const TreeGdnParams& p, int64_t b, int64_t i, int64_t h) {
   return (b * p.n + i) * p.v_token_stride + h * p.dv;
@@ -244,19 +258,19 @@ struct CommitRecurrentParams {
 };
 
 // Channel c of request b: the committed window becomes the last W inputs of [window, accepted
-// path] (path = the request's accepted rows, len of them).
+// path] (path = the request's accepted rows, len of them). In place, in increasing w: position w
+// reads committed position w + len (> w, not yet overwritten) or a path row.
 DDTREE_HOST_DEVICE void commit_conv_channel(const TreeConvParams& p, const int64_t* path,
                                             int64_t len, int64_t b, int64_t c) {
   void* pool = const_cast<void*>(p.conv_pool);
   const int64_t W = p.width, row = (conv_pool_slot(p, b) * p.channels + c) * W;
-  float window[kMaxConvWidth];
   for (int64_t w = 0; w < W; ++w) {
     const int64_t from_end = W - 1 - w;  // position counted back from the last path node
-    window[w] = from_end < len
-                    ? load_elem(p.x, p.dtype, (b * p.n + path[len - 1 - from_end]) * p.channels + c)
-                    : load_elem(p.conv_pool, p.dtype, row + w + len);
+    const float in = from_end < len
+                         ? load_elem(p.x, p.dtype, (b * p.n + path[len - 1 - from_end]) * p.channels + c)
+                         : load_elem(p.conv_pool, p.dtype, row + w + len);
+    store_elem(pool, p.dtype, row + w, in);
   }
-  for (int64_t w = 0; w < W; ++w) store_elem(pool, p.dtype, row + w, window[w]);
 }
 
 // Layers one commit_recurrent_layers_ launch covers (the pointer arrays below travel in the

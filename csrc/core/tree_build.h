@@ -44,29 +44,32 @@ struct TreeBuildScratch {
   int16_t* node_rank;
 };
 
-// Rank path of a candidate: ranks of the nodes root..parent, then its own; length = depth.
-DDTREE_HOST_DEVICE int candidate_path(const TreeBuildScratch& s, const TreeCandidate& c,
-                                      int16_t* path) {
-  int len = c.depth;
-  path[len - 1] = c.rank;
-  int node = c.parent;
-  for (int d = len - 2; d >= 0; --d) {
-    path[d] = s.node_rank[node];
-    node = s.node_parent[node];
-  }
-  return len;
-}
-
-// True when `a` pops before `b`: higher score, then lexicographically smaller rank path
-// (a proper prefix is smaller).
+// True when `a` pops before `b`: higher score, then lexicographically smaller rank path (a proper
+// prefix is smaller). The rank path of a candidate is the ranks of the nodes root..parent, then its
+// own. Compared without materialising the paths: the deeper candidate is lifted to the other's
+// depth, then both walk up until they hang under the same node; the ranks there decide, and equal
+// ranks (the same node) mean one path is a prefix of the other.
 DDTREE_HOST_DEVICE bool candidate_before(const TreeBuildScratch& s, const TreeCandidate& a,
                                          const TreeCandidate& b) {
   if (a.score != b.score) return a.score > b.score;
-  int16_t pa[33], pb[33];
-  const int la = candidate_path(s, a, pa), lb = candidate_path(s, b, pb);
-  for (int i = 0; i < la && i < lb; ++i)
-    if (pa[i] != pb[i]) return pa[i] < pb[i];
-  return la < lb;
+  int32_t pa = a.parent, pb = b.parent;  // position on each path: (parent, rank) at depth d
+  int16_t ra = a.rank, rb = b.rank;
+  for (int d = a.depth; d > b.depth; --d) {
+    ra = s.node_rank[pa];
+    pa = s.node_parent[pa];
+  }
+  for (int d = b.depth; d > a.depth; --d) {
+    rb = s.node_rank[pb];
+    pb = s.node_parent[pb];
+  }
+  while (pa != pb) {
+    ra = s.node_rank[pa];
+    pa = s.node_parent[pa];
+    rb = s.node_rank[pb];
+    pb = s.node_parent[pb];
+  }
+  if (ra != rb) return ra < rb;
+  return a.depth < b.depth;
 }
 
 DDTREE_HOST_DEVICE void heap_push(const TreeBuildScratch& s, int64_t& size, TreeCandidate c) {

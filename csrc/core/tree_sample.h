@@ -4,10 +4,14 @@
 // sampling.
 //
 // Exactness across implementations: every decision is made in integers. Token weights are
-// exp(x/T - max) quantised to multiples of 2^-44 (total error < V * 2^-45 in probability), sums
-// are uint64 and the draw is a 64-bit counter-based random number (Philox4x32-10 keyed by seed,
-// counter = (node, request, offset)), so the CPU code and the emulated CUDA kernel, which both use
-// the host's expf, return identical tokens; a GPU differs only where its expf rounds differently.
+// exp(x/T - max) quantised to multiples of 2^-44 (total error < V * 2^-45 in probability) from the
+// float's bits, sums are uint64 and the draw is a 64-bit counter-based random number
+// (Philox4x32-10 keyed by seed, counter = (node, request, offset)). The floats the decisions
+// depend on (x / T, exp) come from correctly rounded operations only (scaled_logit, sample_exp),
+// so the CPU code, the emulated CUDA kernel and the GPU (built with fast-math) return identical
+// tokens. Every row's draw depends only on (seed, offset, request, row), so
+// the rows may be drawn in any order or all at once (the CUDA launcher draws every row in parallel
+// when the batch is small).
 //
 // Filtering follows Hugging Face's sampling order: temperature, then top-k (keep values >= the
 // k-th largest value, ties kept), then top-p (drop the lowest values while their cumulative mass
@@ -30,6 +34,10 @@ struct VerifySampleParams {
   const float* top_p = nullptr;           // [B] 1 = off
   const int64_t* seed = nullptr;          // [B]
   const int64_t* offset = nullptr;        // [B]
+  // [B, N] scratch or null. Set: the CUDA launcher draws every row with its own block into it,
+  // then one thread per request walks (small batches); null: one block per request walks and
+  // draws the rows it visits.
+  int64_t* row_tokens = nullptr;
 };
 
 DDTREE_HOST_DEVICE uint32_t mulhi32(uint32_t a, uint32_t b) {
@@ -68,13 +76,90 @@ DDTREE_HOST_DEVICE uint64_t sample_random64(int64_t seed, int64_t offset, int64_
   return (static_cast<uint64_t>(ctr[1]) << 32) | ctr[0];
 }
 
-constexpr double kWeightScale = 17592186044416.0;  // 2^44
+constexpr int kWeightBits = 44;  // weights are multiples of 2^-44
 
-// Quantised weight exp(z - m) of a scaled logit z (z <= m); NaN -> 0.
-DDTREE_HOST_DEVICE uint64_t sample_weight(float z, float m) {
-  const float e = expf(z - m);
+// round(e * 2^44) for e in [0, 1] (halves rounded up; NaN and e <= 0 -> 0), in integers from the
+// float's bits (no FP64): e = mantissa * 2^shift exactly.
+DDTREE_HOST_DEVICE uint64_t quantise_weight(float e) {
   if (!(e > 0.f)) return 0;
-  return static_cast<uint64_t>(static_cast<double>(e) * kWeightScale + 0.5);
+  if (e >= 1.f) return uint64_t{1} << kWeightBits;
+  const uint32_t bits = float_bits(e), biased = (bits >> 23) & 0xffu;
+  const uint64_t mantissa = biased ? (bits & 0x7fffffu) | 0x800000u : bits & 0x7fffffu;
+  const int shift = (biased ? static_cast<int>(biased) : 1) - 127 - 23 + kWeightBits;
+  if (shift >= 0) return mantissa << shift;
+  if (shift < -25) return 0;  // mantissa * 2^shift < 1/2
+  return (mantissa + (uint64_t{1} << (-shift - 1))) >> -shift;
+}
+
+// Correctly rounded float operations that no compiler flag changes: nvcc's fast-math contracts
+// a * b + c into fma and approximates division / expf, so device code spells the rounding out.
+DDTREE_HOST_DEVICE float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+DDTREE_HOST_DEVICE float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return fmaf(a, b, c);
+#endif
+}
+
+// e^x for x <= 0 (NaN and x < -87 -> 0: their weights are 0 anyway), built only from correctly
+// rounded operations so that the CPU, the emulator and the GPU return the same bits: x = n ln2 + r
+// (Cody-Waite, ln2 split in a part exact in float and a correction), |r| <= ln2 / 2, e^r by its
+// degree-7 Taylor polynomial (truncation < 6e-9 relative), times 2^n from the exponent bits.
+// Results below 2^-126 (subnormal on the host, flushed on a fast-math GPU) quantise to 0 alike.
+DDTREE_HOST_DEVICE float sample_exp(float x) {
+  if (!(x >= -87.f)) return 0.f;
+  // Constants as float literals in hex (no division left for a compiler to fold its own way).
+  const float n = rintf(mul_rn(x, 0x1.715476p+0f));                       // x / ln2
+  const float r = fma_rn(n, -0x1.7f7d1cp-20f, fma_rn(n, -0x1.62e4p-1f, x));  // x - n ln2
+  float p = 0x1.a01a02p-13f;          // 1/7!
+  p = fma_rn(p, r, 0x1.6c16c2p-10f);  // 1/6!
+  p = fma_rn(p, r, 0x1.111112p-7f);   // 1/5!
+  p = fma_rn(p, r, 0x1.555556p-5f);   // 1/4!
+  p = fma_rn(p, r, 0x1.555556p-3f);   // 1/3!
+  p = fma_rn(p, r, 0.5f);
+  p = fma_rn(p, r, 1.f);
+  p = fma_rn(p, r, 1.f);
+  const int e = static_cast<int>(n) + 127;  // n in [-126, 0]
+  return mul_rn(p, float_from_bits(static_cast<uint32_t>(e) << 23));
+}
+
+// Quantised weight of a scaled logit z against the row maximum m (z <= m).
+DDTREE_HOST_DEVICE uint64_t sample_weight(float z, float m) { return quantise_weight(sample_exp(z - m)); }
+
+// Division by the temperature T, correctly rounded in every build: x / T on the host; on the GPU
+// (whose fast-math build makes a plain division approximate, and whose IEEE division calls a slow
+// path per element) q = RN(x * y), then q + RN(x - q T) * y by fma with y = RN(1 / T) computed once
+// per row, which is RN(x / T) by Markstein's theorem (y within half an ulp of 1/T, q within one
+// ulp of x/T; Muller et al., Handbook of Floating-Point Arithmetic, 2nd ed., sec. 4.7) outside
+// the subnormal range (flushed to zero by fast-math) and for T whose reciprocal is normal.
+struct TemperatureScale {
+  float t;
+  float inv;  // RN(1 / t) (used on the GPU only)
+};
+
+DDTREE_HOST_DEVICE TemperatureScale temperature_scale(float t) {
+#if defined(__CUDA_ARCH__)
+  return {t, __frcp_rn(t)};
+#else
+  return {t, 1.f / t};
+#endif
+}
+
+DDTREE_HOST_DEVICE float scaled_logit(float x, const TemperatureScale& s) {
+#if defined(__CUDA_ARCH__)
+  const float q = __fmul_rn(x, s.inv);
+  return __fmaf_rn(__fmaf_rn(-q, s.t, x), s.inv, q);
+#else
+  return x / s.t;
+#endif
 }
 
 // Order key of the scaled logit (32-bit, NaN lowest); filtering thresholds are keys.
@@ -89,6 +174,12 @@ DDTREE_HOST_DEVICE uint64_t top_p_drop_mass(float top_p, uint64_t total) {
 DDTREE_HOST_DEVICE float sample_logit(const VerifySampleParams& p, int64_t b, int64_t node,
                                       int64_t v) {
   return load_elem(p.logits, p.dtype, (b * p.walk.n + node) * p.vocab + v);
+}
+
+// logits[b, node, v] / T.
+DDTREE_HOST_DEVICE float sample_scaled(const VerifySampleParams& p, int64_t b, int64_t node,
+                                       int64_t v, const TemperatureScale& t) {
+  return scaled_logit(sample_logit(p, b, node, v), t);
 }
 
 }  // namespace ddtree

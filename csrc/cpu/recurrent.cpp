@@ -7,12 +7,11 @@
 namespace ddtree::cpu {
 
 void tree_conv_rows(const TreeConvParams& p, int64_t begin, int64_t end) {
-  int64_t anc[kMaxConvWidth];
   for (int64_t row = begin; row < end; ++row) {
     const int64_t b = row / p.n, i = row % p.n;
-    const int have = conv_window_nodes(p.parents + b * p.n, p.num_nodes[b], i, static_cast<int>(p.width), anc);
+    const ConvWindow win = conv_window_nodes(p.parents + b * p.n, p.num_nodes[b], i, static_cast<int>(p.width));
     for (int64_t c = 0; c < p.channels; ++c)
-      store_elem(p.y, p.dtype, row * p.channels + c, tree_conv_value(p, b, c, anc, have));
+      store_elem(p.y, p.dtype, row * p.channels + c, tree_conv_value(p, b, c, win));
   }
 }
 

@@ -24,11 +24,12 @@ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t node, Scratc
   const float t = p.temperature[b];
   if (!(t > 0.f)) return argmax_token(p, b, node);
   const int64_t V = p.vocab;
+  const TemperatureScale scale = temperature_scale(t);
   s.z.resize(V);
   s.keys.resize(V);
   float m = -__builtin_inff();
   for (int64_t v = 0; v < V; ++v) {
-    s.z[v] = sample_logit(p, b, node, v) / t;
+    s.z[v] = sample_scaled(p, b, node, v, scale);
     s.keys[v] = sample_value_key(s.z[v]);
     if (s.z[v] > m) m = s.z[v];
   }

@@ -8,3 +8,16 @@
 #include "kernels/tree_sample.cu"
 #include "kernels/tree_topk.cu"
 #include "kernels/tree_visibility.cu"
+
+namespace ddtree::emulated {
+std::vector<KernelShape> kernel_shapes() {
+  std::vector<KernelShape> out;
+  append_visibility_shapes(out);
+  append_tree_ops_shapes(out);
+  append_topk_shapes(out);
+  append_sample_shapes(out);
+  append_recurrent_shapes(out);
+  append_attention_shapes(out);
+  return out;
+}
+}  // namespace ddtree::emulated

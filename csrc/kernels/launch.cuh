@@ -26,14 +26,6 @@ inline constexpr int cudaSuccess = 0;
 #define DDTREE_KERNEL_NS gpu
 #endif
 
-// Full unrolling of a loop over register fragments (an array indexed by a non-constant index
-// would live in local memory); nothing for the host compiler.
-#if defined(__CUDACC__)
-#define DDTREE_UNROLL _Pragma("unroll")
-#else
-#define DDTREE_UNROLL
-#endif
-
 // Dynamic shared memory of the running block, as `T* name`.
 #if defined(DDTREE_EMULATE)
 #define DDTREE_DYNAMIC_SMEM(T, name) T* name = static_cast<T*>(::ddtree::simt::dynamic_smem())

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "core/draft_attention.h"
 #include "core/kv_commit.h"
@@ -16,6 +17,18 @@
 #include "core/tree_topk.h"
 #include "core/tree_verify.h"
 #include "core/tree_visibility.h"
+
+namespace ddtree {
+// Launch shape of one kernel instantiation as its launcher sets it up: block size and dynamic
+// shared memory (computed by the launcher's own helpers) at the problem size `at`.
+// bench/kernel_resources.py joins these with the compiler's register / shared-memory report.
+struct KernelShape {
+  const char* kernel;   // demangled name without namespaces: "tree_attention_kernel<128, true>"
+  int threads;
+  size_t dynamic_smem;
+  const char* at;       // problem size the shared memory is given for ("" when it has none)
+};
+}  // namespace ddtree
 
 #define DDTREE_DECLARE_LAUNCHERS                                                 \
   int launch_tree_visibility(const ::ddtree::TreeVisibilityParams& p, void* stream); \
@@ -32,7 +45,13 @@
   int launch_tree_gdn(const ::ddtree::TreeGdnParams& p, void* stream);                \
   int launch_commit_recurrent_layers(const ::ddtree::CommitRecurrentLayersParams& p, void* stream); \
   int launch_tree_attention(const ::ddtree::TreeAttentionParams& p, void* stream);      \
-  int launch_draft_attention(const ::ddtree::DraftAttentionParams& p, void* stream);
+  int launch_draft_attention(const ::ddtree::DraftAttentionParams& p, void* stream);     \
+  void append_visibility_shapes(std::vector<::ddtree::KernelShape>& out);              \
+  void append_tree_ops_shapes(std::vector<::ddtree::KernelShape>& out);                \
+  void append_topk_shapes(std::vector<::ddtree::KernelShape>& out);                    \
+  void append_sample_shapes(std::vector<::ddtree::KernelShape>& out);                  \
+  void append_recurrent_shapes(std::vector<::ddtree::KernelShape>& out);               \
+  void append_attention_shapes(std::vector<::ddtree::KernelShape>& out);
 
 namespace ddtree {
 namespace gpu {
@@ -40,5 +59,8 @@ DDTREE_DECLARE_LAUNCHERS
 }
 namespace emulated {
 DDTREE_DECLARE_LAUNCHERS
+// Every kernel's launch shape (the emulated build is compiled from the same sources, so these are
+// the CUDA launchers' numbers).
+std::vector<::ddtree::KernelShape> kernel_shapes();
 }
 }  // namespace ddtree

@@ -20,10 +20,9 @@ constexpr int kGdnWarps = kGdnThreads / 32;
 // grid (N, B): one block per tree row; threads over channels.
 __global__ void tree_conv_kernel(const TreeConvParams p) {
   const int64_t i = blockIdx.x, b = blockIdx.y;
-  int64_t anc[kMaxConvWidth];
-  const int have = conv_window_nodes(p.parents + b * p.n, p.num_nodes[b], i, static_cast<int>(p.width), anc);
+  const ConvWindow win = conv_window_nodes(p.parents + b * p.n, p.num_nodes[b], i, static_cast<int>(p.width));
   for (int64_t c = threadIdx.x; c < p.channels; c += blockDim.x)
-    store_elem(p.y, p.dtype, (b * p.n + i) * p.channels + c, tree_conv_value(p, b, c, anc, have));
+    store_elem(p.y, p.dtype, (b * p.n + i) * p.channels + c, tree_conv_value(p, b, c, win));
 }
 
 struct GdnSchedule {
@@ -185,10 +184,11 @@ __device__ void commit_gdn_block(const TreeGdnParams& p, int64_t h, int64_t b, i
 // z < chunks commit the GDN state columns, block z = chunks the conv windows (channels spread
 // over the Hv blocks of the request).
 template <int kDk>
-__global__ void __launch_bounds__(kGdnThreads) commit_layers_kernel(const CommitRecurrentLayersParams p) {
+__global__ void __launch_bounds__(kGdnThreads, 1) commit_layers_kernel(const CommitRecurrentLayersParams p) {
   __shared__ float kn[kDk], red[kGdnWarps];
   const int64_t chunks = ceil_div(p.base.gdn.dv, kGdnColumns);
-  const int64_t layer = blockIdx.z / (chunks + 1), z = blockIdx.z % (chunks + 1);
+  const unsigned per_layer = static_cast<unsigned>(chunks + 1);  // 32-bit: no 64-bit division call
+  const int64_t layer = blockIdx.z / per_layer, z = blockIdx.z % per_layer;
   const int64_t h = blockIdx.x, b = blockIdx.y;
   const CommitRecurrentParams c = commit_layer(p, layer);
   if (z < chunks) {
@@ -198,7 +198,8 @@ __global__ void __launch_bounds__(kGdnThreads) commit_layers_kernel(const Commit
   if (!c.conv.conv_pool) return;
   const int64_t* path = c.gdn.accepted + b * c.gdn.accepted_stride;
   const int64_t len = commit_path_len(c.gdn, b);
-  for (int64_t ch = h * blockDim.x + threadIdx.x; ch < c.conv.channels; ch += gridDim.x * blockDim.x)
+  const int channels = static_cast<int>(c.conv.channels);  // 32-bit trip count
+  for (int ch = static_cast<int>(h * blockDim.x + threadIdx.x); ch < channels; ch += gridDim.x * blockDim.x)
     commit_conv_channel(c.conv, path, len, b, ch);
 }
 
@@ -218,6 +219,17 @@ int launch_commit_layers(const CommitRecurrentLayersParams& p, void* stream) {
 }
 
 }  // namespace
+
+void append_recurrent_shapes(std::vector<KernelShape>& out) {
+  out.push_back({"tree_conv_kernel", kConvThreads, 0, ""});
+  const size_t smem = static_cast<size_t>(gdn_schedule_bytes(256));
+  out.push_back({"tree_gdn_kernel<64>", kGdnThreads, smem, "N=256"});
+  out.push_back({"tree_gdn_kernel<128>", kGdnThreads, smem, "N=256"});
+  out.push_back({"tree_gdn_kernel<256>", kGdnThreads, smem, "N=256"});
+  out.push_back({"commit_layers_kernel<64>", kGdnThreads, 0, ""});
+  out.push_back({"commit_layers_kernel<128>", kGdnThreads, 0, ""});
+  out.push_back({"commit_layers_kernel<256>", kGdnThreads, 0, ""});
+}
 
 int launch_tree_conv(const TreeConvParams& p, void* stream) {
   if (p.batch == 0 || p.n == 0 || p.channels == 0) return 0;

@@ -53,23 +53,35 @@ inline constexpr int kSmemStride = kD + 8;
 
 // One chunk of 16 keys already in shared memory (sk, sv: [16][kSmemStride] b16): S = Q K^T, the caller's
 // visibility (row, key) -> bool, online softmax, O += P V.
+// The warp's 16 query rows as mma A fragments, one per 16 columns, held in registers for the
+// whole key loop (loaded once from the staged tile with ldmatrix).
+template <int kD>
+struct QueryFragments {
+  uint32_t a[kD / 16][4];
+};
+
+template <int kD>
+__device__ __forceinline__ void load_query_fragments(const uint16_t* sq, QueryFragments<kD>& q) {
+  const int lane = threadIdx.x & 31, mat = lane >> 3, r = lane & 7;
+  DDTREE_UNROLL
+  for (int kk = 0; kk < kD / 16; ++kk)
+    ldmatrix<4, false>(q.a[kk], sq + (r + 8 * (mat & 1)) * kSmemStride<kD> + kk * 16 + 8 * (mat >> 1));
+}
+
 template <int kD, bool kBf16, class Visible>
-__device__ __forceinline__ void attend_chunk(const uint16_t* sq, const uint16_t* sk,
+__device__ __forceinline__ void attend_chunk(const QueryFragments<kD>& q, const uint16_t* sk,
                                              const uint16_t* sv, float scale, Visible visible,
                                              WarpRows<kD>& w) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   DDTREE_UNROLL
   for (int kk = 0; kk < kD / 16; ++kk) {
-    uint32_t a[4];
-    const int mat = lane >> 3, r = lane & 7;
-    ldmatrix<4, false>(a, sq + (r + 8 * (mat & 1)) * kSmemStride<kD> + kk * 16 + 8 * (mat >> 1));
     DDTREE_UNROLL
     for (int nt = 0; nt < 2; ++nt) {
       uint32_t bf[2];
       ldmatrix<2, false>(bf, sk + (nt * 8 + (lane & 7)) * kSmemStride<kD> + kk * 16 +
                              ((lane >> 3) & 1) * 8);
-      mma_m16n8k16<kBf16>(s[nt], a, bf, s[nt]);
+      mma_m16n8k16<kBf16>(s[nt], q.a[kk], bf, s[nt]);
     }
   }
   float row_max[2] = {w.m[0], w.m[1]};
@@ -153,26 +165,27 @@ __device__ __forceinline__ void rows_store_partial(const WarpRows<kD>& w, const 
   }
 }
 
-// Shared-memory plan of a block: Q tiles of every warp, two stages of K and V chunks (b16), and a
-// float row per warp for the draft kernel's norm + RoPE.
-template <int kD>
+// Shared-memory plan of a block: two stages of K and V chunks (b16); the Q tiles of every warp are
+// staged in the same bytes before the key loop (each warp then holds its fragments in registers);
+// the draft kernel adds a float row per warp for norm + RoPE. Buffers are addressed by arithmetic
+// on the stage index (an array of buffer pointers indexed at run time would live in local memory).
+template <int kD, bool kNormRows>
 struct AttnTile {
   static constexpr int kChunk = kD == 256 ? 16 : 32;  // keys per pipeline stage
   static constexpr int kQ = kAttnWarps * kAttnWarpRows * kSmemStride<kD>;
   static constexpr int kKv = kChunk * kSmemStride<kD>;
-  static constexpr size_t kBytes = (kQ + 4 * kKv) * sizeof(uint16_t) + kAttnWarps * kD * sizeof(float);
-  uint16_t* q;
-  uint16_t* k[2];
-  uint16_t* v[2];
+  static constexpr int kStaged = kQ > 4 * kKv ? kQ : 4 * kKv;
+  static constexpr size_t kBytes =
+      kStaged * sizeof(uint16_t) + (kNormRows ? kAttnWarps * kD * sizeof(float) : 0);
+  uint16_t* base;
   float* buf;
   __device__ explicit AttnTile(unsigned char* smem) {
-    q = reinterpret_cast<uint16_t*>(smem);
-    k[0] = q + kQ;
-    k[1] = k[0] + kKv;
-    v[0] = k[1] + kKv;
-    v[1] = v[0] + kKv;
-    buf = reinterpret_cast<float*>(v[1] + kKv);
+    base = reinterpret_cast<uint16_t*>(smem);
+    buf = kNormRows ? reinterpret_cast<float*>(base + kStaged) : nullptr;
   }
+  __device__ uint16_t* q(int warp) const { return base + warp * kAttnWarpRows * kSmemStride<kD>; }
+  __device__ uint16_t* k(int stage) const { return base + stage * kKv; }
+  __device__ uint16_t* v(int stage) const { return base + (2 + stage) * kKv; }
 };
 
 // The (query head, first row) a warp of this block owns; inactive warps only help load.
@@ -238,15 +251,17 @@ __device__ __forceinline__ void pipeline_keys(KeyRange range, int chunk, Stage s
 // step: keys below `loaded` are copied from k / v at element offset row(key) (cp.async when
 // `async`), keys at or past `end` are zeroed (masked, but must not be NaN), keys in between are
 // left to the caller. Commits the cp.async group.
-template <int kD, class Row>
-__device__ __forceinline__ void stage_kv_rows(const AttnTile<kD>& tile, int buf, int64_t key0,
+template <int kD, bool kNormRows, class Row>
+__device__ __forceinline__ void stage_kv_rows(const AttnTile<kD, kNormRows>& tile, int buf, int64_t key0,
                                               int64_t loaded, int64_t end, const uint16_t* k,
                                               const uint16_t* v, Row row, bool async) {
   constexpr int kPieces = kD / 8;
-  for (int e = threadIdx.x; e < AttnTile<kD>::kChunk * kPieces; e += kAttnWarps * 32) {
+  uint16_t* const sk = tile.k(buf);
+  uint16_t* const sv = tile.v(buf);
+  for (int e = threadIdx.x; e < AttnTile<kD, kNormRows>::kChunk * kPieces; e += kAttnWarps * 32) {
     const int64_t key = key0 + e / kPieces, col = e % kPieces * 8;
-    uint16_t* dk = tile.k[buf] + e / kPieces * kSmemStride<kD> + col;
-    uint16_t* dv = tile.v[buf] + e / kPieces * kSmemStride<kD> + col;
+    uint16_t* dk = sk + e / kPieces * kSmemStride<kD> + col;
+    uint16_t* dv = sv + e / kPieces * kSmemStride<kD> + col;
     if (key < loaded) {
       const int64_t at = row(key) + col;
       copy8(dk, k + at, async);
@@ -259,14 +274,15 @@ __device__ __forceinline__ void stage_kv_rows(const AttnTile<kD>& tile, int buf,
   cp_async_commit();
 }
 
-template <int kD, bool kBf16, class Visible>
-__device__ __forceinline__ void attend_stage(const AttnTile<kD>& tile, const uint16_t* sq, int buf,
-                                             int64_t key0, float scale, Visible visible,
-                                             WarpRows<kD>& w) {
+template <int kD, bool kBf16, bool kNormRows, class Visible>
+__device__ __forceinline__ void attend_stage(const AttnTile<kD, kNormRows>& tile,
+                                             const QueryFragments<kD>& q, int buf, int64_t key0,
+                                             float scale, Visible visible, WarpRows<kD>& w) {
+  const uint16_t* sk = tile.k(buf);
+  const uint16_t* sv = tile.v(buf);
   DDTREE_UNROLL
-  for (int sub = 0; sub < AttnTile<kD>::kChunk; sub += 16)
-    attend_chunk<kD, kBf16>(sq, tile.k[buf] + sub * kSmemStride<kD>,
-                            tile.v[buf] + sub * kSmemStride<kD>, scale,
+  for (int sub = 0; sub < AttnTile<kD, kNormRows>::kChunk; sub += 16)
+    attend_chunk<kD, kBf16>(q, sk + sub * kSmemStride<kD>, sv + sub * kSmemStride<kD>, scale,
                             [&](int r, int c) { return visible(r, key0 + sub + c); }, w);
 }
 
@@ -292,8 +308,8 @@ __device__ __forceinline__ void store_warp_rows(const WarpRows<kD>& w, const War
 template <int kD, bool kBf16>
 __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const TreeAttentionParams p) {
   DDTREE_DYNAMIC_SMEM(unsigned char, smem);
-  const AttnTile<kD> tile(smem);
-  constexpr int kChunk = AttnTile<kD>::kChunk;
+  const AttnTile<kD, false> tile(smem);
+  constexpr int kChunk = AttnTile<kD, false>::kChunk;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t kh = blockIdx.y, b = blockIdx.z / p.split.splits, split = blockIdx.z % p.split.splits;
   const WarpItem item = warp_item(p.n, p.hq, p.hkv, kh);
@@ -302,14 +318,18 @@ __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const T
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k = static_cast<const uint16_t*>(p.k);
   const uint16_t* v = static_cast<const uint16_t*>(p.v);
-  uint16_t* sq = tile.q + warp * kAttnWarpRows * kSmemStride<kD>;
+  uint16_t* sq = tile.q(warp);
+  QueryFragments<kD> qf;
   if (item.active) {
     for (int e = lane; e < kAttnWarpRows * kD; e += 32) {
       const int64_t r = item.row0 + e / kD;
       sq[e / kD * kSmemStride<kD> + e % kD] =
           r < p.n ? q[b * p.q_stride_b + r * p.q_stride_n + item.h * p.q_stride_h + e % kD] : 0;
     }
+    __syncwarp();
+    load_query_fragments<kD>(sq, qf);
   }
+  __syncthreads();  // the staged Q bytes become K / V buffers
   const int64_t kv_base = b * p.kv_stride_b + kh * p.kv_stride_h;
   const bool async = (reinterpret_cast<uintptr_t>(k) % 16 == 0) && (reinterpret_cast<uintptr_t>(v) % 16 == 0) &&
                      (p.kv_stride_b % 8 == 0) && (p.kv_stride_h % 8 == 0) && (p.kv_stride_s % 8 == 0);
@@ -320,7 +340,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) tree_attention_kernel(const T
                   [&](int64_t key) { return kv_base + key * p.kv_stride_s; }, async);
   }, [&](int64_t key0, int buf) {
     if (!item.active) return;
-    attend_stage<kD, kBf16>(tile, sq, buf, key0, p.scale, [&](int r, int64_t key) {
+    attend_stage<kD, kBf16>(tile, qf, buf, key0, p.scale, [&](int r, int64_t key) {
       const int64_t i = item.row0 + r;
       return key < range.end && i < p.n && tree_key_visible(p, b, i, past, key);
     }, w);
@@ -401,8 +421,8 @@ __device__ void norm_rope_row_warp(const uint16_t* src, const float* w, float ep
 template <int kD, bool kBf16>
 __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const DraftAttentionParams p) {
   DDTREE_DYNAMIC_SMEM(unsigned char, smem);
-  const AttnTile<kD> tile(smem);
-  constexpr int kChunk = AttnTile<kD>::kChunk;
+  const AttnTile<kD, true> tile(smem);
+  constexpr int kChunk = AttnTile<kD, true>::kChunk;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t kh = blockIdx.y, b = blockIdx.z / p.split.splits, split = blockIdx.z % p.split.splits;
   const WarpItem item = warp_item(p.lq, p.hq, p.hkv, kh);
@@ -414,8 +434,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
   const uint16_t* v_new = static_cast<const uint16_t*>(p.v_new);
   uint16_t* k_cache = static_cast<uint16_t*>(p.k_cache);
   uint16_t* v_cache = static_cast<uint16_t*>(p.v_cache);
-  uint16_t* sq = tile.q + warp * kAttnWarpRows * kSmemStride<kD>;
+  uint16_t* sq = tile.q(warp);
   float* buf_row = tile.buf + warp * kD;
+  QueryFragments<kD> qf;
   if (item.active) {
     for (int r = 0; r < kAttnWarpRows; ++r) {
       const int64_t i = item.row0 + r;
@@ -427,7 +448,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
         for (int j = lane; j < kD; j += 32) sq[r * kSmemStride<kD> + j] = 0;
       }
     }
+    __syncwarp();
+    load_query_fragments<kD>(sq, qf);
   }
+  __syncthreads();  // the staged Q bytes become K / V buffers
   const bool async = reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(v_cache) % 16 == 0;
   WarpRows<kD> w;
@@ -439,8 +463,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
       const int64_t key = key0 + c;
       if (key < cached || key >= range.end) continue;
       const int64_t t = draft_new_row(p, cached, ctx_len, key), src = ((b * p.t + t) * p.hkv + kh) * kD;
-      uint16_t* dk = tile.k[buf] + c * kSmemStride<kD>;
-      uint16_t* dv = tile.v[buf] + c * kSmemStride<kD>;
+      uint16_t* dk = tile.k(buf) + c * kSmemStride<kD>;
+      uint16_t* dv = tile.v(buf) + c * kSmemStride<kD>;
       norm_rope_row_warp<kD, kBf16>(k_new + src, p.k_norm, p.eps, p.cos + (b * p.t + t) * kD,
                                     p.sin + (b * p.t + t) * kD, buf_row, dk);
       for (int j = lane; j < kD; j += 32) dv[j] = v_new[src + j];
@@ -454,7 +478,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) draft_attention_kernel(const 
     }
   }, [&](int64_t key0, int buf) {
     if (!item.active) return;
-    attend_stage<kD, kBf16>(tile, sq, buf, key0, p.scale,
+    attend_stage<kD, kBf16>(tile, qf, buf, key0, p.scale,
                             [&](int, int64_t key) { return key < range.end; }, w);
   });
   if (item.active) store_warp_rows<kD, kBf16>(w, item, p.split, p.out, p.batch, b, split, p.lq, p.hq);
@@ -470,7 +494,7 @@ int launch_draft_for_dim(const DraftAttentionParams& p, void* stream) {
   auto kernel = p.dtype == ElemDtype::kBFloat16 ? draft_attention_kernel<kD, true>
                                                 : draft_attention_kernel<kD, false>;
   const int rc = launch_kernel(kernel, attention_grid(p.lq, p.hq, p.hkv, p.batch, p.split.splits),
-                               dim3(kAttnWarps * 32), AttnTile<kD>::kBytes, stream, p);
+                               dim3(kAttnWarps * 32), AttnTile<kD, true>::kBytes, stream, p);
   return rc ? rc : launch_combine(p.split, p.dtype, p.batch, p.lq, p.hq, kD, p.out, stream);
 }
 
@@ -479,11 +503,29 @@ int launch_for_dim(const TreeAttentionParams& p, void* stream) {
   auto kernel = p.dtype == ElemDtype::kBFloat16 ? tree_attention_kernel<kD, true>
                                                 : tree_attention_kernel<kD, false>;
   const int rc = launch_kernel(kernel, attention_grid(p.n, p.hq, p.hkv, p.batch, p.split.splits),
-                               dim3(kAttnWarps * 32), AttnTile<kD>::kBytes, stream, p);
+                               dim3(kAttnWarps * 32), AttnTile<kD, false>::kBytes, stream, p);
   return rc ? rc : launch_combine(p.split, p.dtype, p.batch, p.n, p.hq, kD, p.out, stream);
 }
 
 }  // namespace
+
+void append_attention_shapes(std::vector<KernelShape>& out) {
+  static const char* const names[] = {
+      "tree_attention_kernel<64, true>",   "tree_attention_kernel<64, false>",
+      "tree_attention_kernel<128, true>",  "tree_attention_kernel<128, false>",
+      "tree_attention_kernel<256, true>",  "tree_attention_kernel<256, false>",
+      "draft_attention_kernel<64, true>",  "draft_attention_kernel<64, false>",
+      "draft_attention_kernel<128, true>", "draft_attention_kernel<128, false>",
+      "draft_attention_kernel<256, true>", "draft_attention_kernel<256, false>"};
+  const size_t tree_bytes[] = {AttnTile<64, false>::kBytes, AttnTile<128, false>::kBytes,
+                               AttnTile<256, false>::kBytes};
+  const size_t draft_bytes[] = {AttnTile<64, true>::kBytes, AttnTile<128, true>::kBytes,
+                                AttnTile<256, true>::kBytes};
+  for (int i = 0; i < 12; ++i)
+    out.push_back({names[i], static_cast<int>(kAttnWarps * 32), (i < 6 ? tree_bytes : draft_bytes)[i % 6 / 2], ""});
+  out.push_back({"attention_combine_kernel<true>", 32, 0, ""});
+  out.push_back({"attention_combine_kernel<false>", 32, 0, ""});
+}
 
 int launch_tree_attention(const TreeAttentionParams& p, void* stream) {
   if (p.batch == 0 || p.n == 0 || p.hq == 0) return 0;

@@ -10,6 +10,9 @@ namespace DDTREE_KERNEL_NS {
 namespace {
 
 constexpr int kBuildThreads = 128;
+constexpr int kVerifyThreads = 128;
+
+int commit_kv_threads(int64_t dim) { return dim >= 128 ? 128 : 32; }
 
 // One block per request: thread 0 runs the best-first enumeration with its heap and node
 // table in shared memory; the block then fills the padding rows.
@@ -61,6 +64,15 @@ size_t build_tree_smem_bytes(int64_t budget) {
   return static_cast<size_t>(budget + 1) * (sizeof(TreeCandidate) + sizeof(int32_t) + sizeof(int16_t));
 }
 
+void append_tree_ops_shapes(std::vector<KernelShape>& out) {
+  out.push_back({"build_tree_kernel", kBuildThreads, build_tree_smem_bytes(64), "budget=64"});
+  out.push_back({"build_tree_kernel", kBuildThreads, build_tree_smem_bytes(1024), "budget=1024"});
+  out.push_back({"verify_greedy_kernel", kVerifyThreads, 0, ""});
+  for (const char* kernel : {"commit_kv_kernel<unsigned short>", "commit_kv_kernel<unsigned int>",
+                             "commit_kv_kernel<unsigned long>"})
+    out.push_back({kernel, commit_kv_threads(128), 0, "dim=128"});
+}
+
 int launch_build_tree(const BuildTreeParams& p, void* stream) {
   if (p.batch == 0) return 0;
   const unsigned grid = static_cast<unsigned>(p.batch < 65535 ? p.batch : 65535);
@@ -70,15 +82,15 @@ int launch_build_tree(const BuildTreeParams& p, void* stream) {
 
 int launch_verify_greedy(const VerifyGreedyParams& p, void* stream) {
   if (p.walk.batch == 0) return 0;
-  return launch_kernel(verify_greedy_kernel, dim3(static_cast<unsigned>(ceil_div(p.walk.batch, 128))),
-                       dim3(128), 0, stream, p);
+  return launch_kernel(verify_greedy_kernel, dim3(static_cast<unsigned>(ceil_div(p.walk.batch, kVerifyThreads))),
+                       dim3(kVerifyThreads), 0, stream, p);
 }
 
 int launch_commit_kv(const CommitKvParams& p, void* stream) {
   if (p.batch == 0 || p.heads == 0 || p.dim == 0 || p.num_caches == 0) return 0;
   const dim3 grid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch),
                   static_cast<unsigned>(p.num_caches));
-  const dim3 block(p.dim >= 128 ? 128 : 32);
+  const dim3 block(commit_kv_threads(p.dim));
   switch (p.elem_bytes) {
     case 2: return launch_kernel(commit_kv_kernel<uint16_t>, grid, block, 0, stream, p);
     case 4: return launch_kernel(commit_kv_kernel<uint32_t>, grid, block, 0, stream, p);

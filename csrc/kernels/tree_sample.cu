@@ -1,5 +1,10 @@
-// verify_sample kernel: one block per request walks the tree; at each node the block filters and
-// samples the target row with integer-exact block primitives (see core/tree_sample.h).
+// verify_sample kernels: a block draws one tree row (filters and samples the target row with
+// integer-exact block primitives, see core/tree_sample.h). Large batches: one block per request
+// walks the tree and draws the rows it visits. Small batches (the adapter passes row_tokens): a
+// block per (row, request) draws every row at once, then one thread per request walks.
+// No FP64 per vocabulary element and no 64-bit shared-memory atomics: histogram counts are
+// 32-bit, histogram masses are (high, low) 32-bit word pairs whose carries the adding thread
+// detects from the old value atomicAdd returns.
 #include "core/tree_sample.h"
 #include "kernels/launch.cuh"
 #include "kernels/launchers.h"
@@ -14,14 +19,31 @@ constexpr int kWarps = kSampleThreads / 32;
 constexpr unsigned kAllLanes = 0xffffffffu;
 using u64 = unsigned long long;  // the type CUDA's 64-bit atomics take
 
+// Vocabulary loops count in 32 bits (V <= 2^19, checked by the adapter): a 64-bit trip count
+// costs a 64-bit division per loop.
+__device__ __forceinline__ int vocab_of(const VerifySampleParams& p) { return static_cast<int>(p.vocab); }
+
 struct SampleShared {
-  u64 hist[256];
+  uint32_t count[256];     // top-k radix histogram
+  uint32_t mass_lo[256];   // top-p radix histogram: mass = mass_hi * 2^32 + mass_lo
+  uint32_t mass_hi[256];
   u64 warp[kWarps];
   u64 value;      // broadcast slot
   u64 remaining;
   u64 below;
-  float fvalue;
 };
+
+// Exact 64-bit sum into a (high, low) pair of 32-bit shared words.
+__device__ __forceinline__ void add_mass(uint32_t* lo, uint32_t* hi, u64 w) {
+  const uint32_t low = static_cast<uint32_t>(w);
+  uint32_t carry = static_cast<uint32_t>(w >> 32);
+  if (low != 0 && atomicAdd(lo, low) > 0xffffffffu - low) ++carry;
+  if (carry != 0) atomicAdd(hi, carry);
+}
+
+__device__ __forceinline__ u64 mass_at(const SampleShared& sh, int d) {
+  return (static_cast<u64>(sh.mass_hi[d]) << 32) | sh.mass_lo[d];
+}
 
 __device__ u64 block_max_u64(u64 v, SampleShared& sh) {
   for (int off = 16; off > 0; off >>= 1) {
@@ -37,11 +59,11 @@ __device__ u64 block_max_u64(u64 v, SampleShared& sh) {
 }
 
 // Max of the scaled logits, NaN ignored (-inf if none).
-__device__ float block_max_scaled(const VerifySampleParams& p, int64_t b, int64_t node, float t,
+__device__ float block_max_scaled(const VerifySampleParams& p, int64_t b, int64_t node, const TemperatureScale& t,
                                   SampleShared& sh) {
   float m = -__builtin_inff();
-  for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
-    const float z = sample_logit(p, b, node, v) / t;
+  for (int v = threadIdx.x; v < vocab_of(p); v += kSampleThreads) {
+    const float z = sample_scaled(p, b, node, v, t);
     if (z > m) m = z;
   }
   const u64 key = block_max_u64(float_order_key(m), sh);
@@ -49,21 +71,22 @@ __device__ float block_max_scaled(const VerifySampleParams& p, int64_t b, int64_
 }
 
 // Value key of the k-th largest scaled logit (ties counted): MSB-first radix select on counts.
-__device__ uint32_t select_top_k(const VerifySampleParams& p, int64_t b, int64_t node, float t,
+__device__ uint32_t select_top_k(const VerifySampleParams& p, int64_t b, int64_t node,
+                                 const TemperatureScale& t,
                                  int64_t k, SampleShared& sh) {
   uint32_t prefix = 0, mask = 0;
   if (threadIdx.x == 0) sh.remaining = static_cast<u64>(k);
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int d = threadIdx.x; d < 256; d += blockDim.x) sh.hist[d] = 0;
+    for (int d = threadIdx.x; d < 256; d += blockDim.x) sh.count[d] = 0;
     __syncthreads();
-    for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
-      const uint32_t key = sample_value_key(sample_logit(p, b, node, v) / t);
-      if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255u], 1ull);
+    for (int v = threadIdx.x; v < vocab_of(p); v += kSampleThreads) {
+      const uint32_t key = sample_value_key(sample_scaled(p, b, node, v, t));
+      if ((key & mask) == prefix) atomicAdd(&sh.count[(key >> shift) & 255u], 1u);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       int d = 255;
-      for (; d > 0 && sh.hist[d] < sh.remaining; --d) sh.remaining -= sh.hist[d];
+      for (; d > 0 && sh.count[d] < sh.remaining; --d) sh.remaining -= sh.count[d];
       sh.value = prefix | (static_cast<uint32_t>(d) << shift);
     }
     __syncthreads();
@@ -75,7 +98,8 @@ __device__ uint32_t select_top_k(const VerifySampleParams& p, int64_t b, int64_t
 
 // Smallest value key K among kept tokens with mass(key <= K) > drop (MSB-first radix select on
 // mass, ascending); sh.below receives mass(key < K).
-__device__ uint32_t select_top_p(const VerifySampleParams& p, int64_t b, int64_t node, float t,
+__device__ uint32_t select_top_p(const VerifySampleParams& p, int64_t b, int64_t node,
+                                 const TemperatureScale& t,
                                  float m, uint32_t keep_from, u64 drop, SampleShared& sh) {
   uint32_t prefix = 0, mask = 0;
   if (threadIdx.x == 0) {
@@ -83,20 +107,22 @@ __device__ uint32_t select_top_p(const VerifySampleParams& p, int64_t b, int64_t
     sh.below = 0;
   }
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int d = threadIdx.x; d < 256; d += blockDim.x) sh.hist[d] = 0;
+    for (int d = threadIdx.x; d < 256; d += blockDim.x) sh.mass_lo[d] = sh.mass_hi[d] = 0;
     __syncthreads();
-    for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
-      const float z = sample_logit(p, b, node, v) / t;
+    for (int v = threadIdx.x; v < vocab_of(p); v += kSampleThreads) {
+      const float z = sample_scaled(p, b, node, v, t);
       const uint32_t key = sample_value_key(z);
-      if (key >= keep_from && (key & mask) == prefix)
-        atomicAdd(&sh.hist[(key >> shift) & 255u], static_cast<u64>(sample_weight(z, m)));
+      if (key >= keep_from && (key & mask) == prefix) {
+        const unsigned d = (key >> shift) & 255u;
+        add_mass(&sh.mass_lo[d], &sh.mass_hi[d], sample_weight(z, m));
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       int d = 0;
-      for (; d < 255 && sh.hist[d] <= sh.remaining; ++d) {
-        sh.remaining -= sh.hist[d];
-        sh.below += sh.hist[d];
+      for (; d < 255 && mass_at(sh, d) <= sh.remaining; ++d) {
+        sh.remaining -= mass_at(sh, d);
+        sh.below += mass_at(sh, d);
       }
       sh.value = prefix | (static_cast<uint32_t>(d) << shift);
     }
@@ -111,7 +137,7 @@ __device__ uint32_t select_top_p(const VerifySampleParams& p, int64_t b, int64_t
 __device__ int64_t block_argmax(const VerifySampleParams& p, int64_t b, int64_t node,
                                 SampleShared& sh) {
   u64 best = 0;
-  for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
+  for (int v = threadIdx.x; v < vocab_of(p); v += kSampleThreads) {
     const u64 key = topk_key(sample_logit(p, b, node, v), v);
     best = key > best ? key : best;
   }
@@ -120,14 +146,14 @@ __device__ int64_t block_argmax(const VerifySampleParams& p, int64_t b, int64_t 
 
 __device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t node,
                                SampleShared& sh) {
-  const float t = p.temperature[b];
-  if (!(t > 0.f)) return block_argmax(p, b, node, sh);
+  if (!(p.temperature[b] > 0.f)) return block_argmax(p, b, node, sh);
+  const TemperatureScale t = temperature_scale(p.temperature[b]);
   const float m = block_max_scaled(p, b, node, t, sh);
   const int64_t top_k = p.top_k[b];
   const uint32_t keep_k = (top_k > 0 && top_k < p.vocab) ? select_top_k(p, b, node, t, top_k, sh) : 0u;
   u64 local = 0;
-  for (int64_t v = threadIdx.x; v < p.vocab; v += blockDim.x) {
-    const float z = sample_logit(p, b, node, v) / t;
+  for (int v = threadIdx.x; v < vocab_of(p); v += kSampleThreads) {
+    const float z = sample_scaled(p, b, node, v, t);
     if (sample_value_key(z) >= keep_k) local += sample_weight(z, m);
   }
   u64 total = block_sum<kWarps>(local, sh.warp);
@@ -144,11 +170,11 @@ __device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t n
   // First token (by id) whose inclusive cumulative weight exceeds target.
   u64 carried = 0;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t base = 0; base < p.vocab; base += blockDim.x) {
-    const int64_t v = base + threadIdx.x;
+  for (int base = 0; base < vocab_of(p); base += kSampleThreads) {
+    const int v = base + threadIdx.x;
     u64 w = 0;
-    if (v < p.vocab) {
-      const float z = sample_logit(p, b, node, v) / t;
+    if (v < vocab_of(p)) {
+      const float z = sample_scaled(p, b, node, v, t);
       if (sample_value_key(z) >= keep) w = sample_weight(z, m);
     }
     u64 incl = w;
@@ -174,6 +200,7 @@ __device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t n
   return block_argmax(p, b, node, sh);  // unreachable: target < total
 }
 
+// One block per request: walks its tree, drawing the rows it visits.
 __global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const VerifySampleParams p) {
   __shared__ SampleShared sh;
   const TreeWalkParams& w = p.walk;
@@ -183,10 +210,44 @@ __global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const Ver
   }
 }
 
+// grid (N, B): block (i, b) draws row i of request b into row_tokens (rows past the request's
+// tree are never visited and are skipped).
+__global__ void __launch_bounds__(kSampleThreads) sample_rows_kernel(const VerifySampleParams p) {
+  __shared__ SampleShared sh;
+  const int64_t node = blockIdx.x, b = blockIdx.y;
+  if (node >= walk_node_count(p.walk, b)) return;
+  const int64_t token = sample_node(p, b, node, sh);
+  if (threadIdx.x == 0) p.row_tokens[b * p.walk.n + node] = token;
+}
+
+// One thread per request walks the drawn rows.
+__global__ void walk_rows_kernel(const VerifyGreedyParams p) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < p.walk.batch) verify_greedy_request(p, b);
+}
+
+constexpr int kWalkThreads = 128;
+
 }  // namespace
+
+void append_sample_shapes(std::vector<KernelShape>& out) {
+  out.push_back({"verify_sample_kernel", kSampleThreads, 0, ""});
+  out.push_back({"sample_rows_kernel", kSampleThreads, 0, ""});
+  out.push_back({"walk_rows_kernel", kWalkThreads, 0, ""});
+}
 
 int launch_verify_sample(const VerifySampleParams& p, void* stream) {
   if (p.walk.batch == 0) return 0;
+  if (p.row_tokens) {
+    const dim3 rows(static_cast<unsigned>(p.walk.n), static_cast<unsigned>(p.walk.batch));
+    const int e = launch_kernel(sample_rows_kernel, rows, dim3(kSampleThreads), 0, stream, p);
+    if (e != 0) return e;
+    VerifyGreedyParams walk;
+    walk.walk = p.walk;
+    walk.target_tokens = p.row_tokens;
+    return launch_kernel(walk_rows_kernel, dim3(static_cast<unsigned>(ceil_div(p.walk.batch, kWalkThreads))),
+                         dim3(kWalkThreads), 0, stream, walk);
+  }
   const unsigned grid = static_cast<unsigned>(p.walk.batch < 65535 ? p.walk.batch : 65535);
   return launch_kernel(verify_sample_kernel, dim3(grid), dim3(kSampleThreads), 0, stream, p);
 }

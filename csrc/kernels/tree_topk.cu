@@ -14,6 +14,7 @@ constexpr int kTopkThreads = 256;
 constexpr int kTopkItems = 4;  // per thread per chunk
 constexpr int kTopkChunk = kTopkThreads * kTopkItems;
 constexpr unsigned kAll = 0xffffffffu;
+constexpr int kChainWriteThreads = 32;
 
 int64_t topk_capacity(int64_t k) {
   int64_t cap = 1;
@@ -208,6 +209,14 @@ __global__ void chain_write_kernel(const ChainTreeParams p) {
 
 }  // namespace
 
+void append_topk_shapes(std::vector<KernelShape>& out) {
+  const size_t smem = static_cast<size_t>(topk_capacity(64)) * sizeof(uint64_t);
+  out.push_back({"tree_topk_kernel", kTopkThreads, smem, "K<=64"});
+  out.push_back({"tree_topk_merge_kernel", kTopkThreads, smem, "K<=64"});
+  out.push_back({"chain_scan_kernel", kTopkThreads, 0, ""});
+  out.push_back({"chain_write_kernel", kChainWriteThreads, 0, ""});
+}
+
 int launch_chain_tree(const ChainTreeParams& p, void* stream) {
   if (p.batch == 0) return 0;
   const int64_t items = p.batch * p.levels * p.parts;
@@ -216,7 +225,7 @@ int launch_chain_tree(const ChainTreeParams& p, void* stream) {
                                 dim3(kTopkThreads), 0, stream, p);
     if (e != 0) return e;
   }
-  return launch_kernel(chain_write_kernel, dim3(static_cast<unsigned>(p.batch)), dim3(32), 0,
+  return launch_kernel(chain_write_kernel, dim3(static_cast<unsigned>(p.batch)), dim3(kChainWriteThreads), 0,
                        stream, p);
 }
 

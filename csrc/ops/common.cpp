@@ -277,8 +277,13 @@ int launch_on_device(const char* op, Backend backend, const at::Tensor& on,
   TORCH_CHECK(on.is_cuda(), op, ": expected CUDA tensors, got ", on.device());
   c10::cuda::CUDAGuard guard(on.device());
   const int rc = launch(c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(rc == 0, op, ": CUDA kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  if (rc != 0) {
+    // A failed launch also sets the thread's last-error state; cleared here so that the next
+    // CUDA call (another op, torch's own launch checks) does not report this op's error as its own.
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, op, ": CUDA kernel launch failed: ",
+                cudaGetErrorString(static_cast<cudaError_t>(rc)), " (error ", rc, ")");
+  }
   return rc;
 #else
   TORCH_CHECK(false, op, ": ddtree was built without CUDA kernels (CPU-only build)");

@@ -13,6 +13,7 @@ namespace {
 using at::Tensor;
 
 constexpr int64_t kMaxSampleVocab = int64_t{1} << 19;  // keeps the uint64 weight sums exact
+constexpr int64_t kRowBlocksPerSm = 4;
 
 constexpr OpKernels<VerifySampleParams> kSampleKernels{
     &cpu::verify_sample_requests, &emulated::launch_verify_sample,
@@ -74,6 +75,13 @@ std::tuple<Tensor, Tensor, Tensor> verify_sample(
   p.top_p = pp.data_ptr<float>();
   p.seed = sd.data_ptr<int64_t>();
   p.offset = off.data_ptr<int64_t>();
+  // Small batches: every row drawn by its own block (B * N blocks, at most a few per SM), then
+  // the walks; otherwise a block per request draws the rows its walk visits.
+  Tensor row_tokens;
+  if (kBackend != Backend::kCpu && B * N <= kRowBlocksPerSm * device_sm_count(kBackend, node_tokens)) {
+    row_tokens = at::empty({B, N}, node_tokens.options().dtype(at::kLong));
+    p.row_tokens = row_tokens.data_ptr<int64_t>();
+  }
   run_op<kBackend>(op, kSampleKernels, p, node_tokens, B, 1);
   return {tree.accepted, tree.accept_len, tree.bonus};
 }

@@ -132,8 +132,8 @@ class _Sampler:
                 return ops.verify_greedy(tree, vocab_shard.tree_topk(logits, 1)[1][..., 0],
                                          self.depth)
             return ops.verify_greedy(tree, logits.argmax(-1), self.depth)
-        self.offset += 1
-        return ops.verify_sample(tree, logits.float(), self.depth, self.temperature, self.top_k,
+        self.offset += 1  # the op reads float32 / bfloat16 / float16 logits as they are (no copy)
+        return ops.verify_sample(tree, logits, self.depth, self.temperature, self.top_k,
                                  self.top_p, self.seeds, self.offset)
 
 
