@@ -74,7 +74,7 @@ bench-cpu: bench-cpp
 	$(CMAKE_BUILD)/bench_tree_ops
 
 # Registers, spills, local memory, FP64 and occupancy of every CUDA kernel, read from nvcc and
-# cuobjdump for sm_90 and sm_120 (no GPU needed): fails on a spill, a local-memory access, FP64
+# cuobjdump for sm_80, sm_90, sm_100 and sm_120 (no GPU needed): fails on a spill, a local-memory access, FP64
 # without a listed reason, or occupancy under the floors (bench/kernel_resources.py).
 kernel-resources: build
 	PYTHONPATH=python $(VPY) bench/kernel_resources.py

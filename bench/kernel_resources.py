@@ -9,8 +9,8 @@ theoretical occupancy (resident warps per SM) from the architecture's limits.
 Exits 1 when a kernel spills, touches local memory, runs FP64 instructions without a reason listed
 in FP64_ALLOWED, or has fewer resident warps per SM than its floor (FLOORS).
 
-    python bench/kernel_resources.py                      # sm_90 + sm_120 table, checks
-    python bench/kernel_resources.py --arch 80 90 100 120 --json out.json --markdown out.md
+    python bench/kernel_resources.py                      # every built architecture, checks
+    python bench/kernel_resources.py --arch 90 120 --json out.json --markdown out.md
     python bench/kernel_resources.py --only attention      # table rows of matching kernels
 """
 
@@ -265,7 +265,7 @@ def markdown(rows: list[Row]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", type=int, nargs="+", default=[90, 120], choices=sorted(ARCHS))
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90, 100, 120], choices=sorted(ARCHS))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
     ap.add_argument("--markdown", type=Path, help="write the table as Markdown")

@@ -16,7 +16,7 @@ int commit_kv_threads(int64_t dim) { return dim >= 128 ? 128 : 32; }
 
 // One block per request: thread 0 runs the best-first enumeration with its heap and node
 // table in shared memory; the block then fills the padding rows.
-__global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildTreeParams p) {
+__global__ void __launch_bounds__(kBuildThreads, 1) build_tree_kernel(const BuildTreeParams p) {
   DDTREE_DYNAMIC_SMEM(unsigned char, smem);
   __shared__ int64_t count;
   const int64_t rows = p.budget + 1;

@@ -201,7 +201,7 @@ __device__ int64_t sample_node(const VerifySampleParams& p, int64_t b, int64_t n
 }
 
 // One block per request: walks its tree, drawing the rows it visits.
-__global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const VerifySampleParams p) {
+__global__ void __launch_bounds__(kSampleThreads, 1) verify_sample_kernel(const VerifySampleParams p) {
   __shared__ SampleShared sh;
   const TreeWalkParams& w = p.walk;
   for (int64_t b = blockIdx.x; b < w.batch; b += gridDim.x) {
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kSampleThreads) verify_sample_kernel(const Ver
 
 // grid (N, B): block (i, b) draws row i of request b into row_tokens (rows past the request's
 // tree are never visited and are skipped).
-__global__ void __launch_bounds__(kSampleThreads) sample_rows_kernel(const VerifySampleParams p) {
+__global__ void __launch_bounds__(kSampleThreads, 1) sample_rows_kernel(const VerifySampleParams p) {
   __shared__ SampleShared sh;
   const int64_t node = blockIdx.x, b = blockIdx.y;
   if (node >= walk_node_count(p.walk, b)) return;
