@@ -206,6 +206,20 @@ def test_build_tree_emulated_kernel_matches_reference(inputs):
     check_against_reference("emulated", inputs)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "emulated"])
+@pytest.mark.parametrize("budget, ties", [(150, False), (600, True)])
+def test_build_tree_at_large_budgets_matches_reference(backend, budget, ties):
+    """Hundreds of queued candidates: the kernel's 32-ary warp heap sifts through several levels
+    (a heap of more than 33 entries), with and without tied scores."""
+    g = torch.Generator().manual_seed(budget)
+    lp = torch.log_softmax(torch.randn(2, 12, 64, generator=g) * 0.7, -1)
+    if ties:
+        lp = (lp * 2).round() / 2  # coarse values: many candidates with equal scores
+    values, ids = lp.topk(24, -1)
+    inputs = (values.contiguous(), ids.contiguous(), torch.tensor([3, 5]), budget, None)
+    check_against_reference(backend, inputs)
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
 @settings(max_examples=300, deadline=None)
 @given(draft_inputs(max_batch=8, max_budget=300, max_k=40, max_depth=15))

@@ -72,37 +72,48 @@ DDTREE_HOST_DEVICE bool candidate_before(const TreeBuildScratch& s, const TreeCa
   return a.depth < b.depth;
 }
 
-DDTREE_HOST_DEVICE void heap_push(const TreeBuildScratch& s, int64_t& size, TreeCandidate c) {
-  int64_t i = size++;
-  while (i > 0) {
-    const int64_t up = (i - 1) / 2;
-    if (!candidate_before(s, c, s.heap[up])) break;
-    s.heap[i] = s.heap[up];
-    i = up;
-  }
-  s.heap[i] = c;
-}
+// Binary heap of candidates in s.heap (the CPU's queue). candidate_before is a strict total order
+// (two candidates are distinct prefixes), so every correct priority queue pops the same sequence:
+// the CUDA kernel's 32-ary warp heap builds the same trees.
+struct BinaryHeap {
+  const TreeBuildScratch& s;
+  int64_t size = 0;
 
-DDTREE_HOST_DEVICE TreeCandidate heap_pop(const TreeBuildScratch& s, int64_t& size) {
-  const TreeCandidate top = s.heap[0];
-  const TreeCandidate last = s.heap[--size];
-  int64_t i = 0;
-  for (;;) {
-    int64_t child = 2 * i + 1;
-    if (child >= size) break;
-    if (child + 1 < size && candidate_before(s, s.heap[child + 1], s.heap[child])) ++child;
-    if (!candidate_before(s, s.heap[child], last)) break;
-    s.heap[i] = s.heap[child];
-    i = child;
+  DDTREE_HOST_DEVICE void push(TreeCandidate c) {
+    int64_t i = size++;
+    while (i > 0) {
+      const int64_t up = (i - 1) / 2;
+      if (!candidate_before(s, c, s.heap[up])) break;
+      s.heap[i] = s.heap[up];
+      i = up;
+    }
+    s.heap[i] = c;
   }
-  if (size > 0) s.heap[i] = last;
-  return top;
-}
+
+  DDTREE_HOST_DEVICE TreeCandidate pop() {
+    const TreeCandidate top = s.heap[0];
+    const TreeCandidate last = s.heap[--size];
+    int64_t i = 0;
+    for (;;) {
+      int64_t child = 2 * i + 1;
+      if (child >= size) break;
+      if (child + 1 < size && candidate_before(s, s.heap[child + 1], s.heap[child])) ++child;
+      if (!candidate_before(s, s.heap[child], last)) break;
+      s.heap[i] = s.heap[child];
+      i = child;
+    }
+    if (size > 0) s.heap[i] = last;
+    return top;
+  }
+};
 
 // Builds request b's tree (rows 0 .. num_nodes-1 and its child / sibling links); padding rows
-// are left to fill_tree_padding. One thread per request.
+// are left to fill_tree_padding. `queue` (push / pop / size) holds the candidates; every thread
+// that shares the queue runs this with the same values, and only `writes` stores (the node table
+// in `s` included: the queue makes the stores visible before it reads them).
+template <class Queue>
 DDTREE_HOST_DEVICE void build_tree_request(const BuildTreeParams& p, int64_t b,
-                                           const TreeBuildScratch& s) {
+                                           const TreeBuildScratch& s, Queue& queue, bool writes) {
   const int64_t n_rows = p.budget + 1;
   const int64_t L = p.levels, K = p.k;
   const float* logq = p.logq + b * L * K;
@@ -113,37 +124,40 @@ DDTREE_HOST_DEVICE void build_tree_request(const BuildTreeParams& p, int64_t b,
   const int64_t budget = p.budgets ? clamp_index(p.budgets[b], 0, p.budget) : p.budget;
 
   float* path_logprobs = p.path_logprobs ? p.path_logprobs + b * n_rows : nullptr;
-  tokens[0] = p.root_tokens[b];
-  parents[0] = -1;
-  depths[0] = 0;
-  if (path_logprobs) path_logprobs[0] = 0.f;
-  s.node_parent[0] = -1;
-  s.node_rank[0] = 0;
+  if (writes) {
+    tokens[0] = p.root_tokens[b];
+    parents[0] = -1;
+    depths[0] = 0;
+    if (path_logprobs) path_logprobs[0] = 0.f;
+    s.node_parent[0] = -1;
+    s.node_rank[0] = 0;
+  }
   int64_t n = 0;  // nodes added below the root
-  int64_t size = 0;
   if (budget > 0 && L > 0 && K > 0 && is_candidate_logprob(logq[0]))
-    heap_push(s, size, TreeCandidate{static_cast<double>(logq[0]), 0, 1, 0});
-  while (size > 0 && n < budget) {
-    const TreeCandidate c = heap_pop(s, size);
+    queue.push(TreeCandidate{static_cast<double>(logq[0]), 0, 1, 0});
+  while (queue.size > 0 && n < budget) {
+    const TreeCandidate c = queue.pop();
     const int64_t node = ++n;
     const int64_t row = (c.depth - 1) * K;
-    tokens[node] = ids[row + c.rank];
-    parents[node] = c.parent;
-    depths[node] = c.depth;
-    if (path_logprobs) path_logprobs[node] = static_cast<float>(c.score);
-    s.node_parent[node] = c.parent;
-    s.node_rank[node] = c.rank;
+    if (writes) {
+      tokens[node] = ids[row + c.rank];
+      parents[node] = c.parent;
+      depths[node] = c.depth;
+      if (path_logprobs) path_logprobs[node] = static_cast<float>(c.score);
+      s.node_parent[node] = c.parent;
+      s.node_rank[node] = c.rank;
+    }
     if (c.rank + 1 < K && is_candidate_logprob(logq[row + c.rank + 1])) {
       const double sibling = c.score - static_cast<double>(logq[row + c.rank]) +
                              static_cast<double>(logq[row + c.rank + 1]);
-      heap_push(s, size, TreeCandidate{sibling, c.parent, c.depth, static_cast<int16_t>(c.rank + 1)});
+      queue.push(TreeCandidate{sibling, c.parent, c.depth, static_cast<int16_t>(c.rank + 1)});
     }
     if (c.depth < L && is_candidate_logprob(logq[c.depth * K])) {
       const double child = c.score + static_cast<double>(logq[c.depth * K]);
-      heap_push(s, size,
-                TreeCandidate{child, static_cast<int32_t>(node), static_cast<int16_t>(c.depth + 1), 0});
+      queue.push(TreeCandidate{child, static_cast<int32_t>(node), static_cast<int16_t>(c.depth + 1), 0});
     }
   }
+  if (!writes) return;
   const int64_t count = n + 1;
   p.num_nodes[b] = count;
   // Children in index order: walk nodes backwards, prepending each to its parent's list.

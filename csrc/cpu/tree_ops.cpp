@@ -12,7 +12,8 @@ void build_tree_requests(const BuildTreeParams& p, int64_t b_begin, int64_t b_en
   std::vector<int16_t> node_rank(rows);
   const TreeBuildScratch s{heap.data(), node_parent.data(), node_rank.data()};
   for (int64_t b = b_begin; b < b_end; ++b) {
-    build_tree_request(p, b, s);
+    BinaryHeap heap_queue{s};
+    build_tree_request(p, b, s, heap_queue, true);
     for (int64_t i = p.num_nodes[b]; i < rows; ++i) fill_tree_padding(p, b, i);
   }
 }

@@ -9,29 +9,79 @@ namespace ddtree {
 namespace DDTREE_KERNEL_NS {
 namespace {
 
-constexpr int kBuildThreads = 128;
+constexpr int kBuildThreads = 32;  // one warp per request
 constexpr int kVerifyThreads = 128;
 
 int commit_kv_threads(int64_t dim) { return dim >= 128 ? 128 : 32; }
 
-// One block per request: thread 0 runs the best-first enumeration with its heap and node
-// table in shared memory; the block then fills the padding rows.
-__global__ void __launch_bounds__(kBuildThreads, 1) build_tree_kernel(const BuildTreeParams p) {
-  DDTREE_DYNAMIC_SMEM(unsigned char, smem);
-  __shared__ int64_t count;
-  const int64_t rows = p.budget + 1;
-  for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
-    if (threadIdx.x == 0) {
-      TreeBuildScratch s;
-      s.heap = reinterpret_cast<TreeCandidate*>(smem);
-      s.node_parent = reinterpret_cast<int32_t*>(smem + rows * sizeof(TreeCandidate));
-      s.node_rank = reinterpret_cast<int16_t*>(smem + rows * (sizeof(TreeCandidate) + 4));
-      build_tree_request(p, b, s);
-      count = p.num_nodes[b];
+// The warp's priority queue: a 32-ary heap in shared memory (s.heap). A pop picks the best of a
+// node's (up to) 32 children in one step, lane j comparing child j, by a butterfly of shuffles
+// (candidate_before is a strict total order, so every lane ends with the same index): log32(n)
+// levels instead of a binary heap's log2(n). Lane 0 moves entries and sifts pushes up; every lane
+// tracks the size. Pops the same sequence as the CPU's binary heap (see core/tree_build.h).
+struct WarpHeap {
+  const TreeBuildScratch& s;
+  int64_t size = 0;
+
+  __device__ void push(TreeCandidate c) {
+    __syncwarp();  // the node table and heap entries lane 0 wrote are visible
+    if ((threadIdx.x & 31) == 0) {
+      int64_t i = size;
+      while (i > 0) {
+        const int64_t up = (i - 1) / 32;
+        if (!candidate_before(s, c, s.heap[up])) break;
+        s.heap[i] = s.heap[up];
+        i = up;
+      }
+      s.heap[i] = c;
     }
-    __syncthreads();
-    for (int64_t i = count + threadIdx.x; i < rows; i += blockDim.x) fill_tree_padding(p, b, i);
-    __syncthreads();
+    ++size;
+    __syncwarp();
+  }
+
+  __device__ TreeCandidate pop() {
+    __syncwarp();
+    const int lane = threadIdx.x & 31;
+    const TreeCandidate top = s.heap[0];
+    const TreeCandidate last = s.heap[--size];
+    int64_t i = 0;
+    for (;;) {
+      const int64_t first = 32 * i + 1;
+      if (first >= size) break;
+      int64_t best = first + lane < size ? first + lane : -1;
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const int64_t other = __shfl_xor_sync(0xffffffffu, best, offset);
+        if (other >= 0 && (best < 0 || candidate_before(s, s.heap[other], s.heap[best]))) best = other;
+      }
+      if (!candidate_before(s, s.heap[best], last)) break;
+      __syncwarp();  // every lane has read the children before lane 0 overwrites entry i
+      if (lane == 0) s.heap[i] = s.heap[best];
+      __syncwarp();
+      i = best;
+    }
+    __syncwarp();  // every lane has read top, last and the children before entry i is written
+    if (size > 0 && lane == 0) s.heap[i] = last;
+    __syncwarp();
+    return top;
+  }
+};
+
+// One warp per request (blocks stride over the batch): the best-first enumeration with its heap
+// and node table in shared memory, then the padding rows.
+__global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildTreeParams p) {
+  DDTREE_DYNAMIC_SMEM(unsigned char, smem);
+  const int64_t rows = p.budget + 1;
+  TreeBuildScratch s;
+  s.heap = reinterpret_cast<TreeCandidate*>(smem);
+  s.node_parent = reinterpret_cast<int32_t*>(smem + rows * sizeof(TreeCandidate));
+  s.node_rank = reinterpret_cast<int16_t*>(smem + rows * (sizeof(TreeCandidate) + 4));
+  for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
+    WarpHeap queue{s};
+    build_tree_request(p, b, s, queue, threadIdx.x == 0);
+    __syncwarp();
+    const int64_t count = p.num_nodes[b];
+    for (int64_t i = count + threadIdx.x; i < rows; i += kBuildThreads) fill_tree_padding(p, b, i);
+    __syncwarp();  // the next request's build reuses the scratch
   }
 }
 

@@ -165,7 +165,9 @@ struct RaceIgnore {
   ~RaceIgnore() { __tsan_ignore_thread_end(); }
 };
 #else
-struct RaceIgnore {};
+struct RaceIgnore {
+  RaceIgnore() {}  // user-provided: a scope guard, not an unused variable
+};
 void race_acquire(void*) {}
 void race_release(void*) {}
 void race_switch(void*) {}
