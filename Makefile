@@ -8,22 +8,32 @@ TORCH_SPEC ?= torch==2.14.1
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 STAMP := $(VENV)/.ddtree-deps
 CMAKE_BUILD ?= build/cmake
-CUDA_HOME ?= $(shell test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda)
+CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_toolkit.py)
 
-.PHONY: all build test test-asan test-tsan demo embedded-pair bench-cpp bench-cpu kernel-resources clean
+.PHONY: all build test test-fast sdist-check test-asan test-tsan demo embedded-pair bench-cpp bench-cpu kernel-resources clean
 
 all: build
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt $(VENV)/.torch-spec
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --disable-pip-version-check "$(TORCH_SPEC)" -r requirements.txt
 	touch $@
+
+# TORCH_SPEC as a file that changes only when the spec does: a new pin reinstalls torch.
+$(VENV)/.torch-spec: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+FORCE:
 
 build: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_JOBS=$(JOBS) $(VPY) setup.py -q build_ext --inplace
 
 test: build
 	PYTHONPATH=python $(VPY) -m pytest tests -q
+
+# The quick subset for local iteration (no slow, distributed or long-run tests); `make test` runs all.
+test-fast: build
+	PYTHONPATH=python $(VPY) -m pytest tests -q -m "not slow and not distributed and not long"
 
 # The op tests (CPU ops + the emulated CUDA kernels) against CPU-only sanitizer builds (build/asan,
 # build/tsan; the regular build is left alone). Python is not instrumented: the sanitizer
@@ -73,6 +83,25 @@ bench-cpu: bench-cpp
 	$(CMAKE_BUILD)/bench_tree_visibility
 	$(CMAKE_BUILD)/bench_tree_ops
 
+# The packaging check: an sdist, installed (CPU-only build) into a new venv that sees the project
+# venv's dependencies but not this checkout, then the smoke tests from the unpacked sdist and the
+# demo run against the installed package.
+SDIST_DIR := build/sdist
+SDIST_TESTS ?= tests/test_build.py tests/test_readme.py tests/test_tree_ops.py tests/test_repository.py
+sdist-check: $(STAMP)
+	rm -rf $(SDIST_DIR) && mkdir -p $(SDIST_DIR)
+	$(VPY) setup.py -q sdist -d $(SDIST_DIR) > $(SDIST_DIR)/sdist.log 2>&1
+	$(PYTHON) -m venv $(SDIST_DIR)/venv
+	$(VPY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
+	  "$$($(SDIST_DIR)/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/project-deps.pth"
+	PATH="$(abspath $(VENV))/bin:$$PATH" DDTREE_CUDA=0 MAX_JOBS=$(JOBS) $(SDIST_DIR)/venv/bin/python -m pip install \
+	  -q --no-build-isolation --no-deps --no-index $(SDIST_DIR)/ddtree-*.tar.gz
+	tar -xzf $(SDIST_DIR)/ddtree-*.tar.gz -C $(SDIST_DIR)
+	cd $(SDIST_DIR)/ddtree-*/ && ../venv/bin/python -c 'import ddtree, sys; \
+	  sys.exit(0 if "site-packages" in ddtree.__file__ else "ddtree imported from " + ddtree.__file__)'
+	cd $(SDIST_DIR)/ddtree-*/ && DDTREE_CUDA=0 ../venv/bin/python -m pytest $(SDIST_TESTS) -q -p no:cacheprovider
+	cd $(SDIST_DIR) && venv/bin/python -m ddtree.demo > demo.log && tail -5 demo.log
+
 # Registers, spills, local memory, FP64 and occupancy of every CUDA kernel, read from nvcc and
 # cuobjdump for sm_80, sm_90, sm_100 and sm_120 (no GPU needed): fails on a spill, a local-memory access, FP64
 # without a listed reason, or occupancy under the floors (bench/kernel_resources.py).
@@ -80,4 +109,4 @@ kernel-resources: build
 	PYTHONPATH=python $(VPY) bench/kernel_resources.py
 
 clean:
-	rm -rf build python/ddtree/_C*.so python/ddtree/_build_info.py
+	rm -rf build dist python/ddtree/_C*.so

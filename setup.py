@@ -7,7 +7,7 @@ Environment:
   CUDA_HOME / CUDA_PATH    toolkit root; otherwise /usr/local/cuda, otherwise found from nvcc
   MAX_JOBS                 parallel compile jobs (ninja)
   DDTREE_SANITIZE=1        CPU-only build with AddressSanitizer + UndefinedBehaviorSanitizer
-                           (make test-asan; the build-info file is left as it is)
+                           (make test-asan)
   DDTREE_SANITIZE=thread   CPU-only build with ThreadSanitizer, the SIMT emulator's runtime
                            uninstrumented and annotated: the emulated kernels' race detector
                            (make test-tsan)
@@ -21,32 +21,10 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).parent.resolve()
+sys.path.insert(0, str(ROOT / "tools"))
+from cuda_toolkit import find_cuda_home  # noqa: E402  (one toolkit discovery for the project)
+
 DEFAULT_ARCHS = "8.0;9.0;10.0;12.0+PTX"
-
-
-def find_cuda_home():
-    """Toolkit root. `which nvcc` may be a wrapper script (as on the dev machines), so it is
-    resolved through the script's exec line when it does not sit in a toolkit tree."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        path = os.environ.get(var)
-        if path and (Path(path) / "bin" / "nvcc").exists():
-            return str(Path(path))
-    if Path("/usr/local/cuda/bin/nvcc").exists():
-        return "/usr/local/cuda"
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        return None
-    real = Path(nvcc).resolve()
-    if (real.parent.parent / "include" / "cuda_runtime.h").exists():
-        return str(real.parent.parent)
-    try:
-        text = real.read_text(errors="ignore")[:4096]
-    except OSError:
-        return None
-    for match in re.finditer(r"(/[^\s\"']+)/bin/nvcc", text):
-        if (Path(match.group(1)) / "include" / "cuda_runtime.h").exists():
-            return match.group(1)
-    return None
 
 
 def gencode_flags(arch_list):
@@ -97,6 +75,8 @@ sources = sorted(
     for pattern in ("*.cpp", "ops/*.cpp", "cpu/*.cpp", "simt/*.cpp", "emu/*.cpp")
     for p in csrc.glob(pattern)
 )
+# Build facts live in the extension itself (ddtree._C.built_with_torch(), .cuda_arch_list()):
+# nothing is written into the source tree.
 define_macros = [("DDTREE_TORCH_VERSION", f'"{torch.__version__}"')]
 # -fopenmp: at::parallel_for is header code that is serial unless the extension is built with
 # OpenMP (torch's own backend); -fno-trapping-math lets branch-free float loops vectorise.
@@ -125,6 +105,7 @@ elif sanitize_mode == "thread":
 if with_cuda:
     sources += sorted(str(p.relative_to(ROOT)) for p in csrc.glob("kernels/*.cu"))
     define_macros.append(("DDTREE_WITH_CUDA", "1"))
+    define_macros.append(("DDTREE_CUDA_ARCH_LIST", f'"{arch_list}"'))
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", *gencode_flags(arch_list)]
     ext = CUDAExtension(
         "ddtree._C",
@@ -146,14 +127,6 @@ else:
     )
 
 SANITIZER_LABELS = {"0": "", "1": " with ASan + UBSan", "thread": " with ThreadSanitizer"}
-build_info = ROOT / "python/ddtree/_build_info.py"
-if not sanitize:
-    build_info.write_text(
-        "# Written by setup.py at build time.\n"
-        f"TORCH_VERSION = {torch.__version__!r}\n"
-        f"WITH_CUDA = {with_cuda!r}\n"
-        f"CUDA_ARCH_LIST = {(arch_list if with_cuda else '')!r}\n"
-    )
 print(f"ddtree: building {'CPU + CUDA (' + arch_list + ')' if with_cuda else 'CPU-only'}"
       f"{SANITIZER_LABELS[sanitize_mode]} "
       f"against torch {torch.__version__}", file=sys.stderr)
@@ -171,8 +144,13 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     entry_points={"console_scripts": ["ddtree=ddtree.cli:main"]},
-    install_requires=["torch>=2.4", "numpy", "safetensors", "transformers>=5.2", "tokenizers",
+    # What CI tests: torch 2.14.1 (the GPU check builds against the GPU machines' torch 2.11) and
+    # transformers 5.18 (the loop relies on its cache and attention interfaces).
+    install_requires=["torch>=2.11", "safetensors", "transformers>=5.18,<5.19", "tokenizers",
                       "tqdm"],
-    # Tensor-parallel targets (transformers' tp_plan loading needs accelerate).
-    extras_require={"tp": ["accelerate"]},
+    extras_require={
+        "demo": ["matplotlib"],                   # make demo's plot, ddtree bench --plot
+        "tp": ["accelerate>=1.15,<1.16"],         # tensor-parallel targets (tp_plan loading)
+        "test": ["pytest", "hypothesis", "numpy", "matplotlib", "accelerate>=1.15,<1.16"],
+    },
 )

@@ -1,5 +1,5 @@
 // Helpers shared by the C++ microbenchmarks: deterministic random trees, an independent
-// visibility check written from SPEC §4, and "verify, then time" timing.
+// visibility check written from spec §4, and "verify, then time" timing.
 #pragma once
 
 #include <algorithm>

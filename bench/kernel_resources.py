@@ -95,9 +95,12 @@ class Row:
 
 
 def find_tool(name: str) -> str | None:
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / name).exists():
-            return str(Path(root) / "bin" / name)
+    sys.path.insert(0, str(ROOT / "tools"))
+    from cuda_toolkit import find_cuda_home
+
+    root = find_cuda_home()
+    if root and (Path(root) / "bin" / name).exists():
+        return str(Path(root) / "bin" / name)
     try:  # the CUDA torch wheels bring triton, which ships cuobjdump / nvdisasm
         import triton
 

@@ -21,6 +21,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   });
   m.def("built_with_torch", [] { return std::string(DDTREE_TORCH_VERSION); });
+  m.def("cuda_arch_list", [] {
+#ifdef DDTREE_CUDA_ARCH_LIST
+    return std::string(DDTREE_CUDA_ARCH_LIST);
+#else
+    return std::string();
+#endif
+  }, "TORCH_CUDA_ARCH_LIST the CUDA kernels were compiled for (empty in a CPU-only build)");
   m.def("set_validation", &ddtree::set_validation, "Turn value checks of op inputs on or off");
   m.def("validation_enabled", &ddtree::validation_enabled);
   m.def("mma_attention_supports", &ddtree::mma_attention_supports,

@@ -4,9 +4,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
-import ddtree
 
 ROOT = Path(__file__).resolve().parents[1]
 # budget="auto" caches measured cost profiles on disk: the tests keep theirs apart.
@@ -38,23 +36,38 @@ def golden():
     return cases, load_file(str(path / "ddtree_reference_trees.safetensors"))
 
 
-def cuda_available() -> bool:
-    return ddtree.has_cuda_kernels() and torch.cuda.is_available()
+# Whole modules by what they cost; single slow tests carry @pytest.mark.slow themselves.
+MODULE_MARKS = {
+    "test_tensor_parallel.py": "distributed",
+    "test_long_runs.py": "long",
+    "test_embedded_pair.py": "slow",
+    "test_threads.py": "slow",
+    "test_budget.py": "slow",
+    "test_train.py": "slow",
+    "test_fuzz.py": "slow",
+}
 
 
-# Kernel backends: the CUDA kernel source in the SIMT emulator (always), the real GPU when present.
-KERNEL_BACKENDS = [
-    pytest.param("emulated", id="emulated"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build"),
-    ),
-]
+# Single tests of other modules that take many seconds.
+SLOW_TESTS = (
+    "test_cli.py::test_demo_runs_and_is_lossless",
+    "test_generate.py::test_sampling_is_distributed_as_target_sampling",
+    "test_generate.py::test_lossless_hybrid_target[autoregressive-qwen3_next]",
+    "test_generate.py::test_lossless_hybrid_target[tree-qwen3_next]",
+    "test_generate.py::test_budget_above_the_vocabulary",
+    "test_tree_topk.py::test_cpu_baseline_isa_loops",
+)
 
 
-def kernel_device(backend: str) -> str:
-    return "cpu" if backend == "emulated" else "cuda"
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        mark = MODULE_MARKS.get(item.path.name)
+        if mark:
+            item.add_marker(getattr(pytest.mark, mark))
+        test_id = f"{item.path.name}::{item.name}"
+        # an id names one parametrisation; an id without "[" names all of them
+        if test_id in SLOW_TESTS or test_id.split("[")[0] in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_terminal_summary(terminalreporter):

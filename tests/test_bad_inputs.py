@@ -14,7 +14,7 @@ import ddtree
 from ddtree import ops
 from ddtree.generate import generate, generate_batch
 from ddtree.models import DFlashDrafter
-from test_generate import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ["cpu", "emulated"]

@@ -11,8 +11,8 @@ from ddtree import budget as cost_aware
 from ddtree import embedded
 from ddtree.generate import generate, generate_batch
 from ddtree.models.dflash import DFlashDraftState
-from test_generate import (PROMPTS, ScriptedBudgets, greedy_reference, tiny_drafter, tiny_hybrid,
-                           tiny_target)
+from helpers import (
+    greedy_reference, PROMPTS, ScriptedBudgets, tiny_drafter, tiny_hybrid, tiny_target)
 
 EVERY_TRANSITION = [0, 0, 4, 0, 0, 0, 0, 16, 64, 0, 8, 32, 32, 0, 4, 64, 0, 0, 16]
 
@@ -85,9 +85,9 @@ def test_deferred_context_equals_drafted_context():
     hidden = lambda: tuple(torch.randn(2, 5, 64, generator=g) for _ in range(5))  # noqa: E731
     prompt = [hidden(), hidden()]
     rounds = [hidden() for _ in range(4)]
-    from ddtree.ops import GreedyVerdict
+    from ddtree.ops import Verdict
 
-    root_only = GreedyVerdict(torch.tensor([[0] + [-1] * 7] * 2), torch.tensor([1, 1]),
+    root_only = Verdict(torch.tensor([[0] + [-1] * 7] * 2), torch.tensor([1, 1]),
                               torch.tensor([3, 4]))
     prompt_states = [tuple(h[i:i + 1] for h in prompt[i]) for i in range(2)]
     bonus = torch.tensor([5, 6])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddtree import cli
-from test_generate import VOCAB, tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target, VOCAB
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree import reference
-from conftest import KERNEL_BACKENDS, kernel_device
+from helpers import KERNEL_BACKENDS, kernel_device
 
 ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
 

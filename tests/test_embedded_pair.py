@@ -3,12 +3,11 @@ and its trained DFlash drafter. On held-out stdlib prompts the drafter must earn
 τ(tree, budget 64) > τ(chain) > 1.5 — and every mode must be lossless against the target's own
 greedy decoding (transformers' generate) on a trained hybrid model."""
 import json
-import os
 
 import pytest
 import torch
 
-from ddtree import cli, embedded
+from ddtree import cli, embedded, train
 from ddtree.generate import generate
 
 PROMPTS, NEW_TOKENS = 6, 64
@@ -70,9 +69,16 @@ def test_lossless_on_the_trained_hybrid_pair(pair, prompts, mode, budget):
 
 
 def test_heldout_prompts_come_from_heldout_files():
+    """Every prompt is text of a held-out stdlib file (crc32 split), none of a training file."""
     texts = embedded.heldout_prompts(3)
     assert len(texts) == 3 and all(t.endswith(":\n") and "def " in t for t in texts)
     assert texts == embedded.heldout_prompts(3)  # deterministic
+    root = train.stdlib_root()
+    held = train.read_texts(train.stdlib_files("heldout"))
+    for t in texts:
+        sources = [p for p, text in zip(train.stdlib_files("heldout"), held) if t in text]
+        assert sources, f"prompt not found in a held-out file: {t!r}"
+        assert all(train.is_heldout(p.relative_to(root).as_posix()) for p in sources)
 
 
 def test_cli_generate_on_the_embedded_pair(capsys):
@@ -92,6 +98,17 @@ def test_missing_pair_is_a_clear_error(tmp_path):
         embedded.load(root=tmp_path)
 
 
-def test_pair_directory_is_inside_the_package():
-    assert os.path.commonpath([embedded.PAIR_DIR, os.path.dirname(embedded.__file__)]) == \
-        os.path.dirname(embedded.__file__)
+def test_every_file_of_the_pair_is_package_data():
+    """setup.py's package_data globs cover every file of the pair, so an install carries it."""
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    setup_text = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
+    globs = re.findall(r'"(embedded_pair/[^"]+)"', setup_text)
+    assert globs
+    package = Path(embedded.__file__).parent
+    files = [p.relative_to(package).as_posix() for p in Path(embedded.PAIR_DIR).rglob("*") if p.is_file()]
+    assert len(files) >= 8
+    for f in files:
+        assert any(fnmatch.fnmatch(f, g) and f.count("/") == g.count("/") for g in globs), f

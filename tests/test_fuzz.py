@@ -1,7 +1,7 @@
 """Fuzzing the tree ops with hypothesis: random batch sizes (0 included), tree sizes, parent
 dtypes, strided views, multi-root forests, corrupted trees (parents out of order or out of range,
 padding rows with parents, node counts outside [0, N]), random starts / prefixes / paths. Every
-call either equals the reference written from SPEC.md (python/ddtree/reference.py) or raises a
+call either equals the reference written from docs/spec.md (python/ddtree/reference.py) or raises a
 RuntimeError naming the op and the offending argument — never a crash, a hang or a silently wrong
 answer. CPU and the emulated CUDA kernels (and the GPU when present).
 
@@ -14,10 +14,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import ddtree
+import ddtree  # noqa: F401  (registers the ops)
 from ddtree import reference
-from conftest import KERNEL_BACKENDS, kernel_device
-from test_tree_ops import draft_inputs
+from helpers import draft_inputs, KERNEL_BACKENDS, kernel_device
 
 SCALE = 10 if os.environ.get("DDTREE_FUZZ") == "long" else 1
 BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS

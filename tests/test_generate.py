@@ -3,91 +3,21 @@ decoding, for tree / chain / autoregressive modes, with random and with 'oracle'
 acceptances, deep commits); stop tokens inside accepted paths; the DFlash checkpoint format; bad
 input."""
 import json
+import math
 import os
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree.generate import generate  # noqa: E402
 from ddtree.models import DFlashDrafter, dflash_config  # noqa: E402
-
-VOCAB, HIDDEN, LAYERS = 96, 64, 4
-
-
-def tiny_target(kind="qwen3", seed=0):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                  max_position_embeddings=512)
-    if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    for p in model.parameters():  # sharper logits than the default init: fewer near-ties
-        p.data.mul_(3.0)
-    return model.eval()
-
-
-def tiny_drafter(block_size=8, seed=1, layer_ids=None, target_layers=LAYERS):
-    torch.manual_seed(seed)
-    extra = {"mask_token_id": VOCAB - 1}
-    if layer_ids is not None:
-        extra["target_layer_ids"] = layer_ids
-    cfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             intermediate_size=128, block_size=block_size,
-                             num_target_layers=target_layers, dflash_config=extra))
-    return DFlashDrafter(cfg).eval()
-
-
-def greedy_reference(target, ids, n):
-    out = target.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
-
-
-class BatchOracle:
-    """A test drafter (the ddtree.generate.Drafter protocol) that proposes each request's true
-    continuation at each depth with probability `hit`, a random wrong token otherwise, plus noise
-    so that the tree has alternatives: long partial acceptances through the tree, deep commits.
-    It tracks each request's position from the verdicts (a host read; a test double)."""
-
-    def __init__(self, truths, prompt_lens, block_size=8, hit=0.8, seed=0, device="cpu"):
-        self.truths, self.block_size, self.hit, self.device = truths, block_size, hit, device
-        self.g = torch.Generator().manual_seed(seed)
-
-    def check_target(self, target):
-        pass
-
-    def begin(self, target, prompt_hidden_states, capacity, cuda_graph=False):
-        self.at = [0] * len(self.truths)  # index in truth of each request's bonus token
-        return self
-
-    def step(self, bonus):
-        rows = []
-        for truth, start in zip(self.truths, self.at):
-            logits = torch.randn(1, self.block_size - 1, VOCAB, generator=self.g)
-            for j in range(self.block_size - 1):
-                at = start + 1 + j
-                if at < len(truth) and torch.rand(1, generator=self.g).item() < self.hit:
-                    logits[0, j, truth[at]] += 6.0
-            rows.append(logits)
-        return torch.cat(rows).to(self.device)
-
-    def commit(self, hidden_states, verdict):
-        self.at = [a + n for a, n in zip(self.at, verdict.accept_len.tolist())]
-
-
-class OracleDrafter(BatchOracle):
-    def __init__(self, truth, prompt_len, **kw):
-        super().__init__([truth], [prompt_len], **kw)
-
-
-PROMPTS = [[5, 17, 42], [1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]]
-
+from helpers import (
+    BatchOracle, greedy_reference, HIDDEN, LAYERS, OracleDrafter, PROMPTS, ScriptedBudgets,
+    tiny_drafter, tiny_drafter_of, tiny_hybrid, tiny_target, VOCAB)  # noqa: E402
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 @pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
@@ -138,7 +68,11 @@ def test_streaming_and_statistics():
     assert streamed[: len(got.tokens)] == got.tokens == truth
     assert sum(got.acceptance_lengths) + 1 >= len(got.tokens)
     assert set(got.stage_seconds) == {"draft", "tree", "verify", "commit"}
-    assert got.tokens_per_second > 0
+    # tokens/s: the tokens emitted after the warm-up rounds over the time after them
+    after_warmup = len(got.tokens) - (1 + sum(got.acceptance_lengths[: got.warmup_rounds]))
+    assert after_warmup > 0
+    assert math.isclose(got.tokens_per_second * (got.seconds - got.warmup_seconds), after_warmup,
+                        rel_tol=1e-9)
     assert got.warmup_rounds == 1 and 0 < got.warmup_seconds < got.seconds
     assert sum(got.stage_seconds.values()) <= got.seconds
 
@@ -261,14 +195,6 @@ def test_bad_input():
         generate(target, tiny_drafter_of(mask=200), torch.tensor([[1]]), 4)
 
 
-def tiny_drafter_of(hidden=HIDDEN, mask=VOCAB - 1):
-    cfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             intermediate_size=128, block_size=8, num_target_layers=LAYERS,
-                             dflash_config={"mask_token_id": mask}))
-    return DFlashDrafter(cfg).eval()
-
-
 def test_sampling_is_distributed_as_target_sampling():
     """temperature 0.9, top-k 4 on a 6-token vocabulary: the first two generated tokens over many
     seeds follow the target's own two-step sampling distribution (chi-square, fixed seeds)."""
@@ -374,27 +300,6 @@ def test_batched_drafter_proposes_what_each_request_alone_proposes(fused):
         torch.testing.assert_close(batch_cache.layers[0][0][b, :, :rows], alone[b].layers[0][0][0, :, :rows])
     with pytest.raises(ValueError, match="must agree"):
         drafter.propose(target, bonus[:2], feats, batch_cache)
-
-
-def tiny_hybrid(seed=3, kind="qwen3_5"):
-    from transformers import Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
-
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                  layer_types=["linear_attention", "full_attention"] * (LAYERS // 2),
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=128)
-    torch.manual_seed(seed)
-    if kind == "qwen3_next":  # fused qkvz / ba projections, sparse MoE MLPs
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, **common)).eval()
-    else:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common)).eval()
-    for p in model.parameters():
-        p.data.mul_(3.0)
-    return model
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
@@ -588,7 +493,7 @@ def test_draft_state_proposes_what_propose_proposes(fused):
         accept_len = torch.tensor([(round_ + b * 3) % 9 for b in range(3)])
         accepted = torch.stack([torch.randperm(12, generator=g)[:8] for _ in range(3)])
         accepted[torch.arange(8)[None] >= accept_len[:, None]] = -1
-        state.commit(rows, ddtree.GreedyVerdict(accepted, accept_len, bonus))
+        state.commit(rows, ddtree.Verdict(accepted, accept_len, bonus))
         f = drafter.target_features(rows)
         feats = [f[b, accepted[b, : accept_len[b]]] for b in range(3)]
     assert state.rows.cached_t.tolist() == plain.lengths
@@ -646,25 +551,6 @@ def test_loop_bad_input():
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-class ScriptedBudgets:
-    """A budget="auto" policy that plays a fixed sequence of buckets (0 = autoregressive round)
-    and records the statistics each round hands back."""
-
-    def __init__(self, sequence):
-        self.sequence, self.choices, self.stats = list(sequence), [], []
-
-    def start(self, batch, depth, device):
-        pass
-
-    def choose(self):
-        bucket = self.sequence[len(self.choices) % len(self.sequence)]
-        self.choices.append(bucket)
-        return bucket
-
-    def observe(self, stats):
-        self.stats.append(stats)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ddtree
-from conftest import KERNEL_BACKENDS, kernel_device
+from helpers import KERNEL_BACKENDS, kernel_device
 
 BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
 MARGIN = 64  # guard elements on each side of an in-place output

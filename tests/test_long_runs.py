@@ -3,7 +3,6 @@ autoregressive decoding (itself lossless against transformers' generate, test_em
 with the process's resident memory flat across the rounds (static caches and buffers: nothing may
 grow per round)."""
 import pytest
-import torch
 
 from ddtree import embedded
 from ddtree.generate import generate

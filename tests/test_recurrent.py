@@ -1,4 +1,4 @@
-"""Recurrent-state branch forking (SPEC §6-§7): tree_causal_conv1d, tree_gated_delta_rule and
+"""Recurrent-state branch forking (spec §6-§7): tree_causal_conv1d, tree_gated_delta_rule and
 commit_recurrent_ against the ancestor-path oracle — transformers' own Qwen3.5 chain functions run
 on each node's root->node path — and against reference.py; emulated CUDA kernels; bad input."""
 import os
@@ -14,7 +14,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree import reference  # noqa: E402
-from conftest import KERNEL_BACKENDS, kernel_device  # noqa: E402
+from helpers import KERNEL_BACKENDS, kernel_device  # noqa: E402
 
 ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
 

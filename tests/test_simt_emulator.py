@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ddtree
-from conftest import KERNEL_BACKENDS, kernel_device
+from helpers import KERNEL_BACKENDS, kernel_device
 
 selftest = torch.ops.ddtree_emu.simt_selftest
 NONE = [torch.empty(0, dtype=torch.int32)]  # picks the CPU (emulated) implementation

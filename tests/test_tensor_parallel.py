@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers import tiny_hybrid, tiny_target
 
-from test_generate import tiny_hybrid, tiny_target
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORLD = 2

@@ -9,7 +9,7 @@ import torch
 import ddtree
 from ddtree import embedded
 from ddtree.generate import generate
-from test_generate import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 THREADS = 4
 

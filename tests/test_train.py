@@ -8,7 +8,7 @@ import torch
 
 from ddtree import train
 from ddtree.models import DFlashDrafter
-from test_generate import VOCAB, tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target, VOCAB
 
 
 def _context(target, drafter, tokens):

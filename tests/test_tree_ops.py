@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 import ddtree
 from ddtree import reference
-from conftest import KERNEL_BACKENDS, cuda_available, kernel_device
+from helpers import KERNEL_BACKENDS, cuda_available, draft_inputs, kernel_device
 
 ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
 
@@ -125,35 +125,6 @@ def test_tree_is_exactly_the_best_prefixes_brute_force(depth, vocab):
 
 
 # ---- property tests against the reference ----
-
-@st.composite
-def draft_inputs(draw, max_batch=3, max_depth=6, max_k=6, max_budget=40):
-    batch = draw(st.integers(1, max_batch))
-    depth = draw(st.integers(0, max_depth))
-    k = draw(st.integers(0, max_k))
-    budget = draw(st.integers(0, max_budget))
-    style = draw(st.sampled_from(["random", "ties", "tails"]))
-    seed = draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    vocab = k + draw(st.integers(0, 4))
-    logits = torch.randn(batch, depth, max(vocab, 1), generator=g) * draw(st.sampled_from([0.5, 2.0, 6.0]))
-    if style == "ties":
-        logits = logits.round()
-    lp = torch.log_softmax(logits, -1)
-    values, ids = lp.sort(dim=-1, descending=True, stable=True)
-    values, ids = values[..., :k].contiguous(), ids[..., :k].contiguous()
-    if style == "tails" and k > 0:
-        cut = torch.randint(0, k + 1, (batch, depth, 1), generator=g)
-        tail = torch.arange(k).expand(batch, depth, k) >= cut
-        values = values.masked_fill(tail, -math.inf)
-        if draw(st.booleans()):
-            values = values.masked_fill(tail & (torch.rand(values.shape, generator=g) < 0.3), math.nan)
-    roots = torch.randint(0, 1000, (batch,), generator=g)
-    budgets = None
-    if draw(st.booleans()):
-        budgets = torch.randint(0, budget + 1, (batch,), generator=g)
-    return values, ids, roots, budget, budgets
-
 
 def check_tree_properties(out, budget, depth):
     tokens, parents, depths, first_child, next_sibling, counts = out[:6]
@@ -452,7 +423,7 @@ def test_commit_kv_layers_opcheck_and_bad_input():
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_path_logprobs_sum_to_the_expected_accepted_nodes(backend):
-    """SPEC §3's objective, checked by simulation: when the target's token at depth d is drawn
+    """spec §3's objective, checked by simulation: when the target's token at depth d is drawn
     from the drafter's own distribution q_d (depths independent), a node is accepted with
     probability exp(path log-prob), so the mean number of accepted nodes of the best n-node tree
     is the prefix sum of exp(path_logprobs) over rows 1..n (ops.expected_accepts), for every n."""

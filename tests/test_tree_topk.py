@@ -6,7 +6,7 @@ import torch
 
 import ddtree
 from ddtree import reference
-from conftest import KERNEL_BACKENDS, cuda_available, kernel_device
+from helpers import cuda_available, KERNEL_BACKENDS, kernel_device
 
 ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import ddtree
 from ddtree import reference
-from conftest import KERNEL_BACKENDS, cuda_available, kernel_device
+from helpers import cuda_available, KERNEL_BACKENDS, kernel_device
 
 OPS = {"cpu": torch.ops.ddtree, "emulated": torch.ops.ddtree_emu, "cuda": torch.ops.ddtree}
 ALL_BACKENDS = [pytest.param("cpu", id="cpu")] + KERNEL_BACKENDS

@@ -5,7 +5,7 @@ import torch
 
 import ddtree
 from ddtree import _C, reference
-from conftest import KERNEL_BACKENDS, kernel_device
+from helpers import KERNEL_BACKENDS, kernel_device
 
 
 def small_tree(seed=0, vocab=5, depth=3, k=3, budget=12):

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from ddtree import distributed, embedded, ops, reference  # noqa: E402
 from ddtree.generate import generate, generate_batch  # noqa: E402
 from ddtree import budget as cost_aware  # noqa: E402
-from test_generate import BatchOracle, ScriptedBudgets, greedy_reference, tiny_drafter  # noqa: E402
+from helpers import BatchOracle, greedy_reference, ScriptedBudgets, tiny_drafter  # noqa: E402
 
 
 class ShardedOracle(BatchOracle):

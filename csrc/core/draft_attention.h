@@ -1,4 +1,4 @@
-// Fused DFlash draft-layer attention (SPEC §2, §8): q/k RMSNorm + RoPE of the new rows, append of
+// Fused DFlash draft-layer attention (spec §2, §8): q/k RMSNorm + RoPE of the new rows, append of
 // the new context rows to the drafter's KV cache (block rows are used, not kept), and non-causal
 // attention of every block query over [cached context; new context; block] with GQA.
 #pragma once

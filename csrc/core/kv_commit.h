@@ -1,4 +1,4 @@
-// KV-cache compaction after verification (SPEC §6): for j < accept_len, row past + path[j]
+// KV-cache compaction after verification (spec §6): for j < accept_len, row past + path[j]
 // moves to dst + j (dst = past unless a batch keeps per-request valid lengths below the shared
 // tree start). In place and safe row by row in increasing j, because dst <= past, path[j] >= j
 // and paths increase: a source row is never a row already written.

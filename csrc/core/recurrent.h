@@ -1,4 +1,4 @@
-// Recurrent-state branch forking for hybrid targets (SPEC §6-§7): Gated DeltaNet and its short
+// Recurrent-state branch forking for hybrid targets (spec §6-§7): Gated DeltaNet and its short
 // causal convolution evaluated over a draft tree, each node as if its root->node path were the
 // sequence, and the commit of the accepted path's state.
 //

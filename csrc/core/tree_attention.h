@@ -1,4 +1,4 @@
-// Tree-verify attention (SPEC §4, §8 for the target's verify pass): queries of the N tree rows
+// Tree-verify attention (spec §4, §8 for the target's verify pass): queries of the N tree rows
 // attend to the whole prefix [0, past) and, inside the tree block [past, past + N), only to the
 // rows whose bit is set in their packed visibility row. Keys at or beyond past + N are invisible.
 #pragma once

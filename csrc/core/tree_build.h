@@ -1,4 +1,4 @@
-// Optimal draft-tree construction (SPEC §3): best-first enumeration of the `budget` highest
+// Optimal draft-tree construction (spec §3): best-first enumeration of the `budget` highest
 // scoring prefixes, bit-exact with the published reference (float64 scores with the reference's
 // update expressions; ties broken by the lexicographically smallest rank path).
 #pragma once
@@ -72,6 +72,18 @@ DDTREE_HOST_DEVICE bool candidate_before(const TreeBuildScratch& s, const TreeCa
   return a.depth < b.depth;
 }
 
+// Places c at heap position i (the heap's new last entry) of a `arity`-ary heap in s.heap,
+// moving the entries it pops before down.
+DDTREE_HOST_DEVICE void heap_sift_up(const TreeBuildScratch& s, int64_t i, TreeCandidate c, int arity) {
+  while (i > 0) {
+    const int64_t up = (i - 1) / arity;
+    if (!candidate_before(s, c, s.heap[up])) break;
+    s.heap[i] = s.heap[up];
+    i = up;
+  }
+  s.heap[i] = c;
+}
+
 // Binary heap of candidates in s.heap (the CPU's queue). candidate_before is a strict total order
 // (two candidates are distinct prefixes), so every correct priority queue pops the same sequence:
 // the CUDA kernel's 32-ary warp heap builds the same trees.
@@ -79,16 +91,7 @@ struct BinaryHeap {
   const TreeBuildScratch& s;
   int64_t size = 0;
 
-  DDTREE_HOST_DEVICE void push(TreeCandidate c) {
-    int64_t i = size++;
-    while (i > 0) {
-      const int64_t up = (i - 1) / 2;
-      if (!candidate_before(s, c, s.heap[up])) break;
-      s.heap[i] = s.heap[up];
-      i = up;
-    }
-    s.heap[i] = c;
-  }
+  DDTREE_HOST_DEVICE void push(TreeCandidate c) { heap_sift_up(s, size++, c, 2); }
 
   DDTREE_HOST_DEVICE TreeCandidate pop() {
     const TreeCandidate top = s.heap[0];

@@ -1,4 +1,4 @@
-// Lossless sampling verification of a draft tree (SPEC §5). At each node of the walk a token
+// Lossless sampling verification of a draft tree (spec §5). At each node of the walk a token
 // y ~ filtered softmax(logits / T) is drawn; the walk moves to the child carrying y, otherwise it
 // stops and y is the bonus token. The emitted tokens are distributed exactly as the target's own
 // sampling.

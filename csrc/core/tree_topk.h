@@ -1,4 +1,4 @@
-// tree_topk (SPEC §1, §3 inputs): per row of draft logits, log-softmax over the full vocabulary
+// tree_topk (spec §1, §3 inputs): per row of draft logits, log-softmax over the full vocabulary
 // and the k best tokens, descending, ties to the lower token id.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Greedy tree verification (SPEC §5): walk from the root while a child carries the target's
+// Greedy tree verification (spec §5): walk from the root while a child carries the target's
 // token for the current node; the accepted path (root first) and the bonus token.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Tree visibility (SPEC §4): vis[i, j] = j is i or an ancestor of i; positions = start + depth.
+// Tree visibility (spec §4): vis[i, j] = j is i or an ancestor of i; positions = start + depth.
 #pragma once
 
 #include "core/common.h"

@@ -25,16 +25,7 @@ struct WarpHeap {
 
   __device__ void push(TreeCandidate c) {
     __syncwarp();  // the node table and heap entries lane 0 wrote are visible
-    if ((threadIdx.x & 31) == 0) {
-      int64_t i = size;
-      while (i > 0) {
-        const int64_t up = (i - 1) / 32;
-        if (!candidate_before(s, c, s.heap[up])) break;
-        s.heap[i] = s.heap[up];
-        i = up;
-      }
-      s.heap[i] = c;
-    }
+    if ((threadIdx.x & 31) == 0) heap_sift_up(s, size, c, 32);
     ++size;
     __syncwarp();
   }

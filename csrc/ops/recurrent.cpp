@@ -1,4 +1,4 @@
-// ATen adapters of tree_causal_conv1d, tree_gated_delta_rule and commit_recurrent_ (SPEC §6-§7).
+// ATen adapters of tree_causal_conv1d, tree_gated_delta_rule and commit_recurrent_ (spec §6-§7).
 #include <torch/library.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// ATen adapters of build_tree, verify_greedy and commit_kv_ (SPEC §3, §5, §6).
+// ATen adapters of build_tree, verify_greedy and commit_kv_ (spec §3, §5, §6).
 #include <torch/library.h>
 
 #include <algorithm>

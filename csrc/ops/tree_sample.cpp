@@ -1,4 +1,4 @@
-// ATen adapter of verify_sample (SPEC §5, lossless sampling verification).
+// ATen adapter of verify_sample (spec §5, lossless sampling verification).
 #include <torch/library.h>
 
 #include <tuple>

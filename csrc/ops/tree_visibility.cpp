@@ -1,4 +1,4 @@
-// ATen adapter of tree_visibility / tree_attention_mask (SPEC §4).
+// ATen adapter of tree_visibility / tree_attention_mask (spec §4).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

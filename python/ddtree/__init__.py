@@ -12,20 +12,10 @@ def _load_native():
     try:
         from . import _C
     except ImportError as err:
-        try:
-            from . import _build_info
-
-            built = _build_info.TORCH_VERSION
-        except ImportError:
-            built = None
-        if built is not None and built != torch.__version__:
-            raise ImportError(
-                f"ddtree._C was built against torch {built} but torch {torch.__version__} is "
-                "installed; rebuild it: `pip install --no-build-isolation .` (or `make build`)"
-            ) from err
         raise ImportError(
-            "ddtree's native extension ddtree._C is missing or failed to load "
-            f"({err}); build it with `pip install --no-build-isolation .` or `make build`"
+            f"ddtree's native extension ddtree._C is missing or failed to load ({err}); it is built "
+            f"for one torch version (this is torch {torch.__version__}): build it with "
+            "`pip install --no-build-isolation .` or `make build`"
         ) from err
     built = _C.built_with_torch()
     if built != torch.__version__:
@@ -44,6 +34,7 @@ from .ops import (  # noqa: E402
     DraftTree,
     GreedyVerdict,
     TreeVisibility,
+    Verdict,
     build_tree,
     chain_to_tree,
     chain_tree,
@@ -126,5 +117,6 @@ __all__ = [
     "to_eagle_format",
     "EagleVerifyInputs",
     "gather_accepted",
+    "Verdict",
     "GreedyVerdict",
 ]

@@ -52,12 +52,7 @@ def model_dir(flag: str, path: str) -> str:
 
 
 def _load(args):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import DFlashDrafter
-
-    from . import distributed, embedded
+    from . import distributed, embedded, loading
 
     dtype = DTYPES[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,9 +65,9 @@ def _load(args):
         target = distributed.load_tensor_parallel(target_path, dtype)
         device = target.get_input_embeddings().weight.device
     else:
-        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    drafter = DFlashDrafter.from_pretrained(draft_path, dtype=dtype).to(device) if draft_path else None
+        target = loading.load_target(target_path, dtype, device)
+    tokenizer = loading.load_tokenizer(target_path)
+    drafter = loading.load_drafter(draft_path, dtype, device)
     if args.tree_attention or args.cuda_graph:
         from . import hf
 
@@ -117,7 +112,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .generate import generate_batch
+    from .generate import generate_batch, tokens_per_second
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -142,8 +137,7 @@ def cmd_bench(args) -> int:
     groups = [list(range(i, min(i + args.batch_size, len(encoded))))
               for i in range(0, len(encoded), args.batch_size)]
     for mode in ("autoregressive", "chain", "tree"):
-        tokens = seconds = 0.0
-        rounds = []
+        tokens, rounds, calls = 0, [], []
         for group in tqdm(groups, desc=mode, file=sys.stderr):
             results = generate_batch(target, drafter, [encoded[i] for i in group],
                                      args.max_new_tokens, mode=mode,
@@ -157,9 +151,11 @@ def cmd_bench(args) -> int:
                                      f"prompt {i} (lossless violated)")
                 tokens += len(r.tokens)
                 rounds += r.acceptance_lengths
-            seconds += results[0].seconds  # the batch's wall time, shared by its requests
-        rows.append(dict(mode=mode, batch_size=args.batch_size, tokens=int(tokens), seconds=seconds,
-                         tokens_per_second=tokens / seconds, tau=sum(rounds) / max(1, len(rounds))))
+            calls.append(results)
+        rows.append(dict(mode=mode, batch_size=args.batch_size, tokens=tokens,
+                         seconds=sum(results[0].seconds for results in calls),
+                         tokens_per_second=tokens_per_second(calls),
+                         tau=sum(rounds) / max(1, len(rounds))))
     base = rows[0]["tokens_per_second"]
     from .distributed import is_main_rank
 

@@ -90,7 +90,7 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
     """Every mode of `modes` on held-out prompts with the embedded pair (CPU, fp32, greedy, stop
     at end-of-text); warm-up excluded. Returns (rows, results by label)."""
     from . import embedded
-    from .generate import generate
+    from .generate import generate, tokens_per_second
 
     log = print if verbose else (lambda *a, **k: None)
     target, drafter, tokenizer = embedded.load()
@@ -116,7 +116,7 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
         rows.append(dict(label=label, mode=mode, budget=budget, tokens=tokens,
                          forwards=rounds + len(rs),  # + one prefill per prompt
                          tau=sum(sum(r.acceptance_lengths) for r in rs) / max(1, rounds),
-                         tokens_per_second=tokens / seconds, seconds=seconds,
+                         tokens_per_second=tokens_per_second([[r] for r in rs]), seconds=seconds,
                          ms_per_round={k: round(1e3 * sum(r.stage_seconds[k] for r in rs)
                                                 / max(1, rounds), 2) for k in rs[0].stage_seconds},
                          identical=all(r.tokens == a.tokens

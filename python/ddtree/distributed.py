@@ -94,8 +94,6 @@ class VocabShard:
     def tree_topk(self, local_logits: torch.Tensor, k: int):
         """tree_topk of the whole vocabulary from this rank's logits [B, L, V_local]:
         (logprobs [B, L, k], global ids [B, L, k]), the same on every rank."""
-        import torch.distributed as dist
-
         parts = ops.tree_topk_shard(local_logits, k, self.offset, self.vocab_size)
         return ops.tree_topk_merge(_all_gather(parts, self.group, self.world_size))
 

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 import torch
 
@@ -37,7 +37,7 @@ TARGET_CONFIG = dict(
     linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=8192,
     tie_word_embeddings=True, eos_token_id=0, pad_token_id=0)
 DRAFT_LAYERS = 2
-DRAFT_TARGET_LAYER_IDS = [1, 3]  # SPEC §2's default formula degenerates for 4 target layers
+DRAFT_TARGET_LAYER_IDS = [1, 3]  # spec §2's default formula degenerates for 4 target layers
 
 
 def target_dir(root: Path = PAIR_DIR) -> Path:
@@ -54,18 +54,14 @@ def available(root: Path = PAIR_DIR) -> bool:
 
 def load(dtype: torch.dtype = torch.float32, device: str = "cpu", root: Path = PAIR_DIR):
     """(target, drafter, tokenizer) of the embedded pair."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import DFlashDrafter
+    from . import loading
 
     if not available(root):
         raise FileNotFoundError(f"embedded pair not found in {root}; build it with "
                                 "`make embedded-pair` (python -m ddtree.embedded)")
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir(root)), dtype=dtype).to(device).eval()
-    drafter = DFlashDrafter.from_pretrained(str(drafter_dir(root)), dtype=dtype).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir(root)))
-    return target, drafter, tokenizer
+    return (loading.load_target(target_dir(root), dtype, device),
+            loading.load_drafter(drafter_dir(root), dtype, device),
+            loading.load_tokenizer(target_dir(root)))
 
 
 def heldout_prompts(count: int = 8) -> List[str]:

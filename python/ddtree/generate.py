@@ -1,4 +1,4 @@
-"""The speculative loop over Hugging Face targets (SPEC §1): the drafter proposes a block, DDTree
+"""The speculative loop over Hugging Face targets (spec §1): the drafter proposes a block, DDTree
 turns it into the optimal draft tree, the target verifies the whole tree in one forward pass, the
 accepted path is committed.
 
@@ -26,6 +26,7 @@ import torch
 from . import budget as cost_aware
 from . import distributed, hybrid, ops, validation
 from .budget import BUCKETS as AUTO_BUCKETS
+from .loading import text_config
 from .verify import TargetVerifier
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -42,7 +43,7 @@ class DraftState(Protocol):
         with a tensor-parallel target whose LM head is vocabulary-sharded, either those or this
         rank's columns [B, L, V_local] (ddtree.distributed.vocab_shard)."""
 
-    def commit(self, hidden_states, verdict: ops.GreedyVerdict) -> None:
+    def commit(self, hidden_states, verdict: ops.Verdict) -> None:
         """Takes the round's verdict (accepted rows of the target's hidden states) into account."""
 
 
@@ -67,7 +68,7 @@ class Verifier(Protocol):
     def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor):
         """(logits [B, N, V], hidden states) of the tree rows; valid [B]: committed rows."""
 
-    def commit(self, verdict: ops.GreedyVerdict) -> None:
+    def commit(self, verdict: ops.Verdict) -> None:
         """Keeps the accepted path's rows / states."""
 
 
@@ -93,11 +94,28 @@ class GenerationResult:
     @property
     def tokens_per_second(self) -> float:
         """Decoding speed after the warm-up (over the whole call when no round followed it)."""
+        return tokens_per_second([[self]])
+
+    def after_warmup(self):
+        """(tokens emitted after the warm-up, seconds after it); the whole call when no round
+        followed the warm-up."""
         tokens = min(len(self.tokens), 1 + sum(self.acceptance_lengths))
         warm = 1 + sum(self.acceptance_lengths[: self.warmup_rounds])
         if len(self.acceptance_lengths) > self.warmup_rounds and tokens > warm:
-            return (tokens - warm) / max(1e-9, self.seconds - self.warmup_seconds)
-        return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
+            return tokens - warm, max(1e-9, self.seconds - self.warmup_seconds)
+        return len(self.tokens), self.seconds
+
+
+def tokens_per_second(calls) -> float:
+    """Decoding speed over several generate / generate_batch calls (each a list of its requests'
+    results): the tokens emitted after each call's warm-up over the time after it. The requests
+    of one batch share its wall time. The one definition the CLI, the demo and the benchmarks use."""
+    tokens = seconds = 0.0
+    for results in calls:
+        spans = [r.after_warmup() for r in results]
+        tokens += sum(t for t, _ in spans)
+        seconds += max(sec for _, sec in spans)
+    return tokens / seconds if seconds > 0 else float("inf")
 
 
 def _check_target(target) -> bool:
@@ -124,7 +142,7 @@ class _Sampler:
         self.offset = torch.zeros_like(seeds)
 
     def verify(self, tree: ops.DraftTree, logits: torch.Tensor,
-               vocab_shard=None) -> ops.GreedyVerdict:
+               vocab_shard=None) -> ops.Verdict:
         """vocab_shard: logits are this rank's vocabulary columns (greedy only): their sharded
         top-1 (ties to the lower id, as argmax) is the target's token."""
         if self.temperature <= 0:
@@ -287,8 +305,7 @@ def _check_request(target, drafter, prompts, max_new_tokens, mode, budget, tempe
         if p.min() < 0 or p.max() >= vocab:
             raise ValueError(f"generate: prompt {i} holds token ids outside the target's vocabulary "
                              f"[0, {vocab}): min {int(p.min())}, max {int(p.max())}")
-    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") \
-        else target.config
+    cfg = text_config(target.config)
     limit = getattr(cfg, "max_position_embeddings", None)
     longest = max(p.numel() for p in prompts)
     if limit is not None and longest + max_new_tokens > limit:
@@ -317,22 +334,29 @@ class _Requests:
         self.predicted: List[List[float]] = [[] for _ in first]
         self.max_new, self.stops, self.streamer = max_new_tokens, stops, streamer
         self.stops_t = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+        self.done = [False] * len(first)  # the request's stop rule has fired (the host side)
         for b, toks in enumerate(self.tokens):
             self._stream(b, toks)
-        self.alive = torch.tensor([not self.finished(b) for b in range(len(first))], device=device)
+            self._check_done(b, toks)
+        self.alive = torch.tensor([not d for d in self.done], device=device)
         self.count = torch.ones(len(first), dtype=torch.long, device=device)
 
+    def _check_done(self, b: int, new: List[int]) -> None:
+        """O(new tokens): max_new_tokens reached or a stop token among the new ones."""
+        if len(self.tokens[b]) >= self.max_new or any(t in self.stops for t in new):
+            self.done[b] = True
+
     def finished(self, b: int) -> bool:
-        return len(self.tokens[b]) >= self.max_new or any(t in self.stops for t in self.tokens[b])
+        return self.done[b]
 
     def all_finished(self) -> bool:
-        return all(self.finished(b) for b in range(len(self.tokens)))
+        return all(self.done)
 
     def _stream(self, b, new):
         if self.streamer:
             self.streamer(b, list(new))
 
-    def emitted(self, tree: ops.DraftTree, verdict: ops.GreedyVerdict) -> torch.Tensor:
+    def emitted(self, tree: ops.DraftTree, verdict: ops.Verdict) -> torch.Tensor:
         """[B, 1 + A]: accept_len, then the round's new tokens (accepted nodes after the root,
         then the bonus) padded; updates alive / count on the device."""
         n_acc = verdict.accept_len
@@ -359,6 +383,7 @@ class _Requests:
             self.lengths[b].append(len(new))
             self.tokens[b].extend(new)
             self._stream(b, new)
+            self._check_done(b, new)
 
     def results(self, seconds: float, stages: Dict[str, float], warmup_seconds: float,
                 warmup_rounds: int) -> List[GenerationResult]:
@@ -370,6 +395,26 @@ class _Requests:
                                         dict(stages), warmup_seconds, warmup_rounds, budgets,
                                         predicted))
         return out
+
+
+def _head_shard(shard, draft_logits):
+    """The vocabulary shard when the draft logits are this rank's columns of a tensor-parallel
+    LM head (ddtree.distributed), else None."""
+    if shard is None or draft_logits is None or draft_logits.shape[-1] != shard.local_size:
+        return None
+    return shard
+
+
+def _tree_builder(mode: str, budget: int, budgets: torch.Tensor, shard):
+    """The round's tree step for a fixed mode, chosen once: (draft logits, bonus, valid) ->
+    (tree, visibility)."""
+    if mode == "tree":
+        return lambda logits, bonus, valid: ops.draft_to_tree(
+            logits, bonus, budget, valid, budgets, vocab_shard=_head_shard(shard, logits))
+    if mode == "chain":  # the argmax chain (no log-softmax / top-k machinery)
+        return lambda logits, bonus, valid: ops.chain_to_tree(
+            logits, bonus, valid, vocab_shard=_head_shard(shard, logits))
+    return lambda logits, bonus, valid: root_tree(bonus, valid)
 
 
 def _verify(clock, verifier, sampler, requests, tree, vis, valid, check_ranks):
@@ -411,10 +456,9 @@ class _AutoRounds:
         else:
             draft_logits = draft.step(bonus)
             clock.mark()
-            local = self.shard if self.shard is not None and \
-                draft_logits.shape[-1] == self.shard.local_size else None
             built = self.buckets[min(self.buckets.index(bucket) + 1, len(self.buckets) - 1)]
-            full = ops.draft_tree(draft_logits, bonus, built, vocab_shard=local)
+            full = ops.draft_tree(draft_logits, bonus, built,
+                                  vocab_shard=_head_shard(self.shard, draft_logits))
             nodes = ops.expected_accepts(full).index_select(1, self.index[built])  # [B, buckets]
             expected = 1.0 + nodes * self.calibration.ratio()
             predicted = nodes[:, self.buckets.index(bucket)]
@@ -477,9 +521,10 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     # Tensor-parallel target (ddtree.distributed): the draft top-k and, when greedy, the verify
     # walk's argmax over the sharded LM head.
     shard = distributed.vocab_shard(target)
-    verifier = TargetVerifier(target, batch, n, depth, longest + max_new_tokens + depth + n,
-                              mode != "autoregressive", cuda_graph, is_hybrid,
-                              shard if temperature <= 0 else None)
+    verifier = TargetVerifier(target, batch=batch, rows=n, max_depth=depth,
+                              max_cache_len=longest + max_new_tokens + depth + n,
+                              want_hidden=mode != "autoregressive", cuda_graph=cuda_graph,
+                              is_hybrid=is_hybrid, vocab_shard=shard if temperature <= 0 else None)
     sampler = _Sampler(temperature, top_k, top_p,
                        torch.tensor([seed * 1000003 + b for b in range(batch)], device=device), depth)
     prompts = [p.to(device) for p in prompts]
@@ -509,20 +554,13 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
         warmup_rounds = 2 if cuda_graph else 1
         return requests.results(time.perf_counter() - started, clock.totals(),
                                 clock.elapsed_before(warmup_rounds, started), warmup_rounds)
+    build_tree = _tree_builder(mode, n - 1, budget_t, shard)
     with validation(False):
         while not requests.all_finished():
             clock.mark(new_round=True)
             draft_logits = draft.step(bonus)
             clock.mark()
-            local = shard if shard is not None and draft_logits is not None and \
-                draft_logits.shape[-1] == shard.local_size else None
-            if mode == "tree":
-                tree, vis = ops.draft_to_tree(draft_logits, bonus, n - 1, valid, budget_t,
-                                              vocab_shard=local)
-            elif mode == "chain":  # the argmax chain (unsharded: no log-softmax / top-k machinery)
-                tree, vis = ops.chain_to_tree(draft_logits, bonus, valid, vocab_shard=local)
-            else:
-                tree, vis = root_tree(bonus, valid)
+            tree, vis = build_tree(draft_logits, bonus, valid)
             clock.mark()
             verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree,
                                                       vis, valid, check_ranks)

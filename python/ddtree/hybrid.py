@@ -99,7 +99,7 @@ def install_tree_dispatch(model) -> None:
                 cls.forward = _dispatching_forward(cls.forward)
 
 
-def commit(cache, tree, verdict: ops.GreedyVerdict) -> None:
+def commit(cache, tree, verdict: ops.Verdict) -> None:
     """Conv windows and recurrent states of every GDN layer move along the accepted path (one op
     call for all layers); tree: the pass's TreeBatch."""
     if not tree.recurrent:

@@ -22,7 +22,7 @@ def _start_tensor(start: Union[int, torch.Tensor], parents: torch.Tensor) -> tor
 def tree_visibility(
     parents: torch.Tensor, num_nodes: torch.Tensor, start: Union[int, torch.Tensor] = 0
 ) -> TreeVisibility:
-    """Ancestor-or-self visibility of a padded batch of trees (SPEC §4).
+    """Ancestor-or-self visibility of a padded batch of trees (spec §4).
 
     parents: int32/int64 [B, N], parent index (< own index) or -1 for the root and padding rows.
     num_nodes: int [B], real rows per tree (root included); rows beyond are padding and see only
@@ -59,10 +59,15 @@ class DraftTree(NamedTuple):
     path_logprobs: Optional[torch.Tensor] = None
 
 
-class GreedyVerdict(NamedTuple):
+class Verdict(NamedTuple):
+    """The walk's result, greedy or sampling: the accepted path and the bonus token."""
+
     accepted: torch.Tensor    # int64 [B, max_depth + 1] accepted node indices, root first, -1 pad
     accept_len: torch.Tensor  # int64 [B] >= 1
     bonus: torch.Tensor       # int64 [B] target token after the accepted path
+
+
+GreedyVerdict = Verdict  # the earlier name (sampling returns the same tuple)
 
 
 def build_tree(
@@ -72,7 +77,7 @@ def build_tree(
     budget: int,
     budgets: Optional[torch.Tensor] = None,
 ) -> DraftTree:
-    """The `budget` highest-scoring draft prefixes as a tree (SPEC §3), bit-exact with the
+    """The `budget` highest-scoring draft prefixes as a tree (spec §3), bit-exact with the
     published reference. logprobs float32 [B, L, K] sorted non-increasing along K (top-k
     log-softmax values), ids [B, L, K], root_tokens [B]; budgets [B] (<= budget) per request."""
     return DraftTree(*torch.ops.ddtree.build_tree(logprobs, ids, root_tokens, int(budget), budgets))
@@ -81,17 +86,17 @@ def build_tree(
 def expected_accepts(tree: DraftTree) -> torch.Tensor:
     """float32 [B, N]: entry n is the expected number of accepted draft nodes of the tree's first
     n nodes (rows 1..n: the best n-node tree, rows being in pop order) if the target followed the
-    drafter's distribution — the prefix sum of exp(path_logprobs) (SPEC §3's objective); entry 0
+    drafter's distribution — the prefix sum of exp(path_logprobs) (spec §3's objective); entry 0
     is 0 (the root alone). Padding rows add 0. Device ops only (no host read)."""
     if tree.path_logprobs is None:
         raise ValueError("expected_accepts: the tree has no path_logprobs (build_tree trees have)")
     return tree.path_logprobs.exp().cumsum(1) - 1.0  # the root row's exp(0) = 1 taken off
 
 
-def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> GreedyVerdict:
-    """Greedy walk (SPEC §5): follow the child whose token equals the target's token at the
+def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> Verdict:
+    """Greedy walk (spec §5): follow the child whose token equals the target's token at the
     current node. target_tokens int [B, N] (the target's argmax per tree row)."""
-    return GreedyVerdict(
+    return Verdict(
         *torch.ops.ddtree.verify_greedy(
             tree.node_tokens, tree.first_child, tree.next_sibling, tree.num_nodes, target_tokens,
             int(max_depth),
@@ -115,14 +120,14 @@ def verify_sample(
     top_p: Union[float, torch.Tensor] = 1.0,
     seed: Union[int, torch.Tensor] = 0,
     offset: Union[int, torch.Tensor] = 0,
-) -> GreedyVerdict:
-    """Lossless sampling walk (SPEC §5): at each node draw y from the target's filtered
+) -> Verdict:
+    """Lossless sampling walk (spec §5): at each node draw y from the target's filtered
     distribution (temperature, then top-k, then top-p, as Hugging Face samples); follow the child
     carrying y, else stop with bonus y. Randomness: Philox keyed by (seed, offset, request, node),
     so equal inputs give equal outputs and a CUDA graph can replay it (pass tensors for the
     per-request settings and bump `offset` each round). temperature <= 0 means greedy."""
     b, device = tree.node_tokens.shape[0], tree.node_tokens.device
-    return GreedyVerdict(
+    return Verdict(
         *torch.ops.ddtree.verify_sample(
             tree.node_tokens, tree.first_child, tree.next_sibling, tree.num_nodes, target_logits,
             _per_request(temperature, b, torch.float32, device),
@@ -143,7 +148,7 @@ def commit_kv_(
     layout: str = "BHSD",
     dst_len: Optional[torch.Tensor] = None,
 ) -> None:
-    """In place (SPEC §6): cache rows past + accepted[j] move to dst + j for j < accept_len
+    """In place (spec §6): cache rows past + accepted[j] move to dst + j for j < accept_len
     (dst = dst_len[b] when given, else past_len[b]). layout "BHSD" ([B, H, S, D]) or "BSHD"; the
     caller then sets each request's length to dst + accept_len."""
     torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout, dst_len)
@@ -192,7 +197,7 @@ def draft_tree(
     vocab_shard=None,
 ) -> DraftTree:
     """Draft logits [B, L, V] -> the optimal DraftTree of `budget` nodes: tree_topk -> build_tree.
-    K defaults to min(budget, V, 1024), which is sufficient for the optimal tree (SPEC §3). With
+    K defaults to min(budget, V, 1024), which is sufficient for the optimal tree (spec §3). With
     vocab_shard (ddtree.distributed.VocabShard), the logits are this rank's vocabulary columns
     [B, L, V_local] and the top-k is the sharded one (the same result on every rank)."""
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
@@ -252,7 +257,7 @@ def chain_to_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor,
 def gather_accepted(features: torch.Tensor, accepted: torch.Tensor,
                     accept_len: torch.Tensor) -> torch.Tensor:
     """Features of the accepted nodes in path order: [B, N, F] -> [B, A, F], rows at and beyond
-    accept_len zeroed (fixed shape, no host sync) — the drafter's next context (SPEC §6)."""
+    accept_len zeroed (fixed shape, no host sync) — the drafter's next context (spec §6)."""
     index = accepted.clamp(min=0)[..., None].expand(-1, -1, features.shape[-1])
     out = torch.gather(features, 1, index)
     valid = torch.arange(accepted.shape[1], device=accepted.device)[None, :] < accept_len[:, None]
@@ -261,7 +266,7 @@ def gather_accepted(features: torch.Tensor, accepted: torch.Tensor,
 
 def tree_causal_conv1d(x, conv_state, slots, weight, bias, parents, num_nodes,
                        activation: Optional[str] = "silu") -> torch.Tensor:
-    """Depthwise causal conv over a tree (SPEC §7): node i convolves [anc_{W-1}, ..., parent, x_i],
+    """Depthwise causal conv over a tree (spec §7): node i convolves [anc_{W-1}, ..., parent, x_i],
     reading the committed window conv_state[slots[b]] ([P, C, W] pool) above the root.
     x [B, N, C], weight [C, W], bias [C] or None; returns [B, N, C]."""
     return torch.ops.ddtree.tree_causal_conv1d(x, conv_state, slots, weight, bias, parents,
@@ -270,7 +275,7 @@ def tree_causal_conv1d(x, conv_state, slots, weight, bias, parents, num_nodes,
 
 def tree_gated_delta_rule(q, k, v, g, beta, state, slots, parents, num_nodes,
                           max_depth: int) -> torch.Tensor:
-    """Gated DeltaNet over a tree (SPEC §7): each node from its parent's state, the root from the
+    """Gated DeltaNet over a tree (spec §7): each node from its parent's state, the root from the
     committed state[slots[b]] ([P, Hv, Dk, Dv] fp32 pool, not modified); q/k l2-normalised in the
     kernel, GQA (Hv a multiple of Hk). q, k [B, N, Hk, Dk], v [B, N, Hv, Dv], g (log decay) and
     beta [B, N, Hv]; returns [B, N, Hv, Dv]. Scratch: max_depth + 1 states per (request, head)."""
@@ -280,7 +285,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, state, slots, parents, num_nodes,
 
 def commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
                       accept_len) -> None:
-    """In place (SPEC §6): state[slots[b]] becomes the state after the accepted leaf (the path
+    """In place (spec §6): state[slots[b]] becomes the state after the accepted leaf (the path
     recomputed from the committed state) and conv_state[slots[b]] the last W conv inputs along
     [committed window, accepted path]."""
     torch.ops.ddtree.commit_recurrent_(state, conv_state, slots, k, v, g, beta, conv_x, accepted,
@@ -324,7 +329,7 @@ def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float]
 def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,
                     cos, sin, num_context: int, eps: float, scale: Optional[float] = None,
                     num_splits: Optional[int] = None, context_len: Optional[torch.Tensor] = None):
-    """Fused DFlash draft-layer attention (SPEC §8), one launch: q [B, Lq, Hq, D] and k_new / v_new
+    """Fused DFlash draft-layer attention (spec §8), one launch: q [B, Lq, Hq, D] and k_new / v_new
     [B, C + Lq, Hkv, D] are projection outputs; q / k get RMSNorm (weights [D], eps) and RoPE
     (cos / sin [B, C + Lq, D] for the new rows, block rows last); the C new context rows are
     appended to k_cache / v_cache [B, Hkv, S, D] at cache_len (in place; the caller then adds C to

@@ -1,4 +1,4 @@
-"""Pure-PyTorch versions of the ops, written from design/SPEC.md. They are the test oracles:
+"""Pure-PyTorch versions of the ops, written from docs/spec.md. They are the test oracles:
 simple, slow and obviously correct, never used on a hot path."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def tree_depths(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
 
 
 def tree_visibility_bool(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
-    """SPEC §4: vis[i, i] = True and vis[i, :i] = vis[parent[i], :i]; padding rows see only
+    """spec §4: vis[i, i] = True and vis[i, :i] = vis[parent[i], :i]; padding rows see only
     themselves. bool [B, N, N]."""
     parents = parents.to(torch.int64).cpu()
     batch, n = parents.shape
@@ -83,7 +83,7 @@ def _is_candidate(x: float) -> bool:
 
 
 def build_tree_single(logq, ids, budget: int, root_token: int):
-    """SPEC §3 for one request, with heapq: logq / ids are [L][K] lists (floats / ints).
+    """spec §3 for one request, with heapq: logq / ids are [L][K] lists (floats / ints).
     Returns (node_tokens, parents, depths, path log-probs) including the root row (log-prob 0);
     scores are Python floats (float64) updated with exactly the spec's expressions; heap ties
     break on the rank path."""
@@ -114,7 +114,7 @@ def build_tree_single(logq, ids, budget: int, root_token: int):
 def build_tree(logprobs, ids, root_tokens, budget: int, budgets=None):
     """Batched reference build_tree: (node_tokens, parents, depths, first_child, next_sibling,
     num_nodes, path_logprobs) padded to budget + 1 rows (padding: token 0, links -1, depth 0,
-    log-prob -inf). path_logprobs float32: each node's path log-probability (SPEC §3's score)."""
+    log-prob -inf). path_logprobs float32: each node's path log-probability (spec §3's score)."""
     batch = logprobs.shape[0]
     n = budget + 1
     out = {name: torch.full((batch, n), fill, dtype=torch.int64)
@@ -140,7 +140,7 @@ def build_tree(logprobs, ids, root_tokens, budget: int, budgets=None):
 
 
 def verify_greedy(node_tokens, parents, num_nodes, target_tokens, max_depth: int):
-    """SPEC §5 greedy walk from children lists built from `parents`: (accepted [B, max_depth+1]
+    """spec §5 greedy walk from children lists built from `parents`: (accepted [B, max_depth+1]
     -1 padded, accept_len [B], bonus [B])."""
     batch = node_tokens.shape[0]
     accepted = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
@@ -165,7 +165,7 @@ def verify_greedy(node_tokens, parents, num_nodes, target_tokens, max_depth: int
 
 
 def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD", dst_len=None):
-    """SPEC §6 on a copy: rows past + accepted[j] -> dst + j for j < accept_len."""
+    """spec §6 on a copy: rows past + accepted[j] -> dst + j for j < accept_len."""
     out = cache.clone()
     view = out if layout == "BHSD" else out.transpose(1, 2)
     src = cache if layout == "BHSD" else cache.transpose(1, 2)
@@ -344,7 +344,7 @@ def sample_walk_distribution(node_tokens, parents, num_nodes, target_logits, max
     return out
 
 
-# ---- recurrent layers (SPEC §7), chain formulas evaluated on each node's root->node path ----
+# ---- recurrent layers (spec §7), chain formulas evaluated on each node's root->node path ----
 
 def l2norm(x, eps: float = 1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -25,6 +25,9 @@ from typing import Iterable, List, Optional
 import torch
 import torch.nn.functional as F
 
+from . import loading
+from .loading import text_config
+
 # ---- corpus: the Python standard library's own sources, split by a hash of the path ----
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -364,8 +367,7 @@ def drafter_config_for(target, layers: int, mask_token_id: int, block_size: int 
     """A DFlash drafter config matching `target` (hidden size, heads, MLP width, RoPE)."""
     from .models import dflash_config
 
-    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") \
-        else target.config
+    tcfg = text_config(target.config)
     heads = tcfg.num_attention_heads
     head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
     config = dict(vocab_size=target.get_input_embeddings().num_embeddings,
@@ -475,12 +477,8 @@ def _is_drafter_config(path: Path) -> bool:
 
 def cmd_train_drafter(args) -> int:
     """`ddtree train-drafter`: a DFlash drafter for a local Hugging Face target directory."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import DFlashDrafter
-
     from .cli import UsageError, model_dir
+    from .models import DFlashDrafter
 
     recipe = DrafterRecipe(steps=args.steps, batch=args.batch, anchors=args.anchors,
                            sequences=args.sequences, prompt_len=args.prompt_len,
@@ -494,8 +492,8 @@ def cmd_train_drafter(args) -> int:
     check_output_dir(args.out, args.target, args.overwrite)
     torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = loading.load_target(args.target, torch.float32, device)
+    tokenizer = loading.load_tokenizer(args.target)
     mask_id = args.mask_token_id
     if mask_id is None:
         mask_id = tokenizer.mask_token_id

@@ -51,8 +51,9 @@ class TargetVerifier:
     """Owns the target's static cache and the TreeBatch buffers of one generation.
     prefill(prompts) once, then per round step(tree, vis, valid) and commit(verdict)."""
 
-    def __init__(self, target, batch: int, n: int, max_depth: int, max_cache_len: int,
+    def __init__(self, target, *, batch: int, rows: int, max_depth: int, max_cache_len: int,
                  want_hidden: bool, cuda_graph: bool, is_hybrid: bool, vocab_shard=None):
+        n = rows
         device = target.get_input_embeddings().weight.device
         if cuda_graph and device.type != "cuda":
             raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, got {device}")
@@ -159,7 +160,7 @@ class TargetVerifier:
         graph.replay()
         return outputs
 
-    def commit(self, verdict: ops.GreedyVerdict) -> None:
+    def commit(self, verdict: ops.Verdict) -> None:
         """Accepted rows move from the tree block of the last step to each request's valid
         prefix; GDN states move along the accepted path. The caller then adds accept_len to
         valid."""

@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter (SPEC §2), reading and writing the published checkpoint format.
+"""DFlash block-diffusion drafter (spec §2), reading and writing the published checkpoint format.
 
 Built from transformers' Qwen3 pieces (RMSNorm, MLP, rotary embedding); only the drafter's own
 attention (block queries over cached context K/V + the block, non-causal) is written here. The
@@ -7,7 +7,6 @@ drafter has no embedding and no LM head: it uses the target's.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import uuid
@@ -24,12 +23,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from ..loading import text_config
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
-    """SPEC §2: round(1 + i * (T - 4) / (n - 1)) for i in 0..n-1; n = 1 -> [T // 2]."""
+    """spec §2: round(1 + i * (T - 4) / (n - 1)) for i in 0..n-1; n = 1 -> [T // 2]."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1))
@@ -338,8 +339,7 @@ class DFlashDrafter(nn.Module):
 
     def check_target(self, target) -> None:
         """Clear errors when this drafter does not belong to `target`."""
-        tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") \
-            else target.config
+        tcfg = text_config(target.config)
         if tcfg.hidden_size != self.config.hidden_size:
             raise ValueError(f"drafter hidden_size {self.config.hidden_size} != target hidden_size "
                              f"{tcfg.hidden_size}")

@@ -1,0 +1,35 @@
+"""Loading models from local directories, one way for the CLI, the embedded pair and the drafter
+trainer. Paths are local: nothing is fetched from the Hugging Face Hub (`local_files_only`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def text_config(config):
+    """The text-model part of a transformers config (multimodal configs nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def load_target(path: str, dtype: torch.dtype = torch.float32, device="cpu"):
+    """A transformers causal LM from a local directory, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                local_files_only=True).to(device).eval()
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_drafter(path: Optional[str], dtype: torch.dtype = torch.float32, device="cpu"):
+    """A DFlash drafter (the published checkpoint format), or None without a path."""
+    if path is None:
+        return None
+    from .models import DFlashDrafter
+
+    return DFlashDrafter.from_pretrained(str(path), dtype=dtype).to(device)
