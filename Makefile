@@ -91,11 +91,12 @@ SDIST_TESTS ?= tests/test_build.py tests/test_readme.py tests/test_tree_ops.py t
 sdist-check: $(STAMP)
 	rm -rf $(SDIST_DIR) && mkdir -p $(SDIST_DIR)
 	$(VPY) setup.py -q sdist -d $(SDIST_DIR) > $(SDIST_DIR)/sdist.log 2>&1
-	$(PYTHON) -m venv $(SDIST_DIR)/venv
+	$(PYTHON) -m venv --without-pip $(SDIST_DIR)/venv
 	$(VPY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
 	  "$$($(SDIST_DIR)/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/project-deps.pth"
-	PATH="$(abspath $(VENV))/bin:$$PATH" DDTREE_CUDA=0 MAX_JOBS=$(JOBS) $(SDIST_DIR)/venv/bin/python -m pip install \
-	  -q --no-build-isolation --no-deps --no-index $(SDIST_DIR)/ddtree-*.tar.gz
+	PATH="$(abspath $(VENV))/bin:$$PATH" DDTREE_CUDA=0 MAX_JOBS=$(JOBS) $(VPY) -m pip \
+	  --python $(SDIST_DIR)/venv/bin/python install -q --no-build-isolation --no-deps --no-index \
+	  $(SDIST_DIR)/ddtree-*.tar.gz
 	tar -xzf $(SDIST_DIR)/ddtree-*.tar.gz -C $(SDIST_DIR)
 	cd $(SDIST_DIR)/ddtree-*/ && ../venv/bin/python -c 'import ddtree, sys; \
 	  sys.exit(0 if "site-packages" in ddtree.__file__ else "ddtree imported from " + ddtree.__file__)'
