@@ -61,6 +61,9 @@ ARCHS = {
 FLOORS = [
     ("tree_attention_kernel", 8),
     ("draft_attention_kernel", 8),
+    # One warp per request whose heap and node table take (budget + 1) * 22 bytes of shared
+    # memory: at budget 1024 (22.5 KiB) 4 requests share an sm_120 SM, whatever the block shape.
+    ("build_tree_kernel", 4),
     ("", 8),
 ]
 

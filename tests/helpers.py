@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from ddtree.models import DFlashDrafter, dflash_config  # noqa: E402
+from ddtree.models.dflash import ContextRows  # noqa: E402
 
 
 # ---- kernel backends ----
@@ -139,6 +140,34 @@ def tiny_hybrid(seed=3, kind="qwen3_5"):
     for p in model.parameters():
         p.data.mul_(3.0)
     return model
+
+
+def propose(drafter, target, bonus: torch.Tensor, features, cache) -> torch.Tensor:
+    """The drafter step driven from host lists (a test oracle for DFlashDraftState and the
+    training forward): bonus [B] (each block's first token); features: [B, C, n*H], or a list of B tensors
+    [1, C_b, n*H] / [C_b, n*H] when the requests bring different numbers of rows — the target
+    features of tokens not yet in the drafter's context (request b's sit at positions
+    cache.lengths[b] ..). Appends them to the context cache and returns draft logits
+    [B, block_size - 1, V]. One pass for the whole batch: new rows right-padded, padding
+    masked (draft_attention's context_len when fused)."""
+    b = bonus.shape[0]
+    device = bonus.device
+    if isinstance(features, torch.Tensor):
+        features = list(features)
+    feats = [f.reshape(-1, f.shape[-1]) for f in features]
+    if len(feats) != b or len(cache.lengths) != b:
+        raise ValueError(f"propose: {b} bonus tokens, {len(feats)} feature rows "
+                         f"and a cache of {len(cache.lengths)} requests must agree")
+    new = [f.shape[0] for f in feats]
+    ctx_in = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True) if max(new) > 0 \
+        else feats[0].new_zeros(b, 0, feats[0].shape[-1])
+    as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    rows = ContextRows(as_t(cache.lengths), as_t(new),
+                       max(c + n for c, n in zip(cache.lengths, new)))
+    drafter.reserve(cache, b, max(cache.lengths) + ctx_in.shape[1])
+    logits = drafter.draft_block(target, bonus, ctx_in, rows, cache)
+    cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
+    return logits
 
 
 # ---- test policies and strategies ----

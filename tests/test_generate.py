@@ -15,9 +15,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 import ddtree  # noqa: E402
 from ddtree.generate import generate  # noqa: E402
 from ddtree.models import DFlashDrafter, dflash_config  # noqa: E402
-from helpers import (
-    BatchOracle, greedy_reference, HIDDEN, LAYERS, OracleDrafter, PROMPTS, ScriptedBudgets,
-    tiny_drafter, tiny_drafter_of, tiny_hybrid, tiny_target, VOCAB)  # noqa: E402
+from helpers import (  # noqa: E402
+    HIDDEN, LAYERS, PROMPTS, VOCAB, BatchOracle, OracleDrafter, ScriptedBudgets, greedy_reference,
+    propose, tiny_drafter, tiny_drafter_of, tiny_hybrid, tiny_target)
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 @pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
@@ -266,8 +266,8 @@ def test_fused_draft_attention_gives_the_same_proposals():
     for round_ in range(4):
         feats = torch.randn(1, 1 + round_ * 3, HIDDEN * len(plain.target_layer_ids), generator=g)
         bonus = torch.randint(0, VOCAB, (1,), generator=g)
-        a = plain.propose(target, bonus, feats, caches[0])
-        b = fused.propose(target, bonus, feats, caches[1])
+        a = propose(plain, target, bonus, feats, caches[0])
+        b = propose(fused, target, bonus, feats, caches[1])
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert caches[1].fused and caches[1].layers[0][0].shape[2] >= caches[1].length
     ids = torch.tensor([PROMPTS[0]])
@@ -276,7 +276,7 @@ def test_fused_draft_attention_gives_the_same_proposals():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_batched_drafter_proposes_what_each_request_alone_proposes(fused):
-    """One propose() for three requests whose contexts grow by different numbers of rows per round
+    """One host-list drafter step for three requests whose contexts grow by different numbers of rows per round
     (right-padded, masked; draft_attention's context_len when fused) equals three one-request
     drafters, round after round; the context caches hold the same rows."""
     target = tiny_target()
@@ -290,16 +290,14 @@ def test_batched_drafter_proposes_what_each_request_alone_proposes(fused):
         counts = [(3 * round_ + b) % 7 + (1 if round_ == 0 else 0) for b in range(3)]
         feats = [torch.randn(1, c, width, generator=g) for c in counts]
         bonus = torch.randint(0, VOCAB, (3,), generator=g)
-        together = drafter.propose(target, bonus, feats, batch_cache)
-        one_by_one = torch.cat([drafter.propose(target, bonus[b:b + 1], feats[b], alone[b])
+        together = propose(drafter, target, bonus, feats, batch_cache)
+        one_by_one = torch.cat([propose(drafter, target, bonus[b:b + 1], feats[b], alone[b])
                                 for b in range(3)])
         torch.testing.assert_close(together, one_by_one, rtol=1e-4, atol=1e-4)
     assert batch_cache.lengths == [c.length for c in alone]
     for b in range(3):
         rows = alone[b].length
         torch.testing.assert_close(batch_cache.layers[0][0][b, :, :rows], alone[b].layers[0][0][0, :, :rows])
-    with pytest.raises(ValueError, match="must agree"):
-        drafter.propose(target, bonus[:2], feats, batch_cache)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
@@ -468,10 +466,10 @@ def test_lossless_with_cuda_graph(kind):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_draft_state_proposes_what_propose_proposes(fused):
+def test_draft_state_proposes_what_the_host_list_step_proposes(fused):
     """The drafter's fixed-shape loop state (prompt rows first, then the accepted rows gathered on
     the device into a [B, block_size] buffer, padded rows masked) proposes what
-    DFlashDrafter.propose proposes from the same rows as host lists, round after round,
+    the host-list drafter step (helpers.propose) proposes from the same rows, round after round,
     including requests that bring no new row (finished)."""
     target = tiny_target()
     drafter = tiny_drafter()
@@ -487,7 +485,7 @@ def test_draft_state_proposes_what_propose_proposes(fused):
     feats = [drafter.target_features(h)[0] for h in prompts]
     for round_ in range(6):
         bonus = torch.randint(0, VOCAB, (3,), generator=g)
-        want = drafter.propose(target, bonus, feats, plain)
+        want = propose(drafter, target, bonus, feats, plain)
         torch.testing.assert_close(state.step(bonus), want, rtol=1e-5, atol=1e-5)
         rows = hidden(3, 12)
         accept_len = torch.tensor([(round_ + b * 3) % 9 for b in range(3)])

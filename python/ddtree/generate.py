@@ -155,6 +155,20 @@ class _Sampler:
                                  self.top_p, self.seeds, self.offset)
 
 
+class _RankCheckedSampler:
+    """A tensor-parallel debug wrapper (DDTREE_TP_CHECK=1, ddtree.distributed.rank_check): every
+    walk's tree and verdict are compared across ranks before anything is committed."""
+
+    def __init__(self, sampler: _Sampler, check):
+        self.sampler, self.check = sampler, check
+
+    def verify(self, tree: ops.DraftTree, logits: torch.Tensor, vocab_shard=None) -> ops.Verdict:
+        verdict = self.sampler.verify(tree, logits, vocab_shard)
+        self.check(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
+                   accept_len=verdict.accept_len, bonus=verdict.bonus)
+        return verdict
+
+
 def root_tree(tokens: torch.Tensor, start: torch.Tensor):
     """(DraftTree, TreeVisibility) of one-node trees: the autoregressive step's 'tree'."""
     none = torch.full((tokens.shape[0], 1), -1, dtype=torch.long, device=tokens.device)
@@ -417,16 +431,13 @@ def _tree_builder(mode: str, budget: int, budgets: torch.Tensor, shard):
     return lambda logits, bonus, valid: root_tree(bonus, valid)
 
 
-def _verify(clock, verifier, sampler, requests, tree, vis, valid, check_ranks):
+def _verify(clock, verifier, sampler, requests, tree, vis, valid):
     """The target's side of a round: the verify pass, the walk (finished requests accept
-    nothing), the tensor-parallel rank check, the stage mark, the target's commit. Returns
-    (verdict, hidden states, the round's emitted rows for the host read)."""
+    nothing), the stage mark, the target's commit. Returns (verdict, hidden states, the round's
+    emitted rows for the host read)."""
     logits, hidden_states = verifier.step(tree, vis, valid)
     verdict = sampler.verify(tree, logits, verifier.vocab_shard)
     verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
-    if check_ranks is not None:
-        check_ranks(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
-                    accept_len=verdict.accept_len, bonus=verdict.bonus)
     clock.mark()
     verifier.commit(verdict)
     return verdict, hidden_states, requests.emitted(tree, verdict)
@@ -446,7 +457,7 @@ class _AutoRounds:
         self.index = {b: torch.tensor([min(c, b) for c in self.buckets], device=device)
                       for b in self.buckets}
 
-    def round(self, clock, draft, verifier, sampler, requests, valid, bonus, check_ranks):
+    def round(self, clock, draft, verifier, sampler, requests, valid, bonus):
         bucket = self.policy.choose()
         clock.mark(new_round=True)
         expected = predicted = None
@@ -466,7 +477,7 @@ class _AutoRounds:
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
         clock.mark()
         verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree, vis,
-                                                  valid, check_ranks)
+                                                  valid)
         batch = emitted.shape[0]
         if bucket == 0:
             if getattr(self.policy, "keeps_drafter", lambda: True)():
@@ -527,6 +538,9 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                               is_hybrid=is_hybrid, vocab_shard=shard if temperature <= 0 else None)
     sampler = _Sampler(temperature, top_k, top_p,
                        torch.tensor([seed * 1000003 + b for b in range(batch)], device=device), depth)
+    check_ranks = distributed.rank_check(target)
+    if check_ranks is not None:
+        sampler = _RankCheckedSampler(sampler, check_ranks)
     prompts = [p.to(device) for p in prompts]
     last, prompt_hidden = verifier.prefill(prompts)
     valid = torch.tensor([p.numel() for p in prompts], device=device)
@@ -536,7 +550,6 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     draft = _NoDrafter() if mode == "autoregressive" else \
         drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
     budget_t = torch.tensor(budgets, device=device)
-    check_ranks = distributed.rank_check(target)
     clock = _StageClock(device)
     if budget == "auto":
         if not hasattr(draft, "defer"):
@@ -546,8 +559,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
         auto = _AutoRounds(policy, device, shard)
         with validation(False):
             while not requests.all_finished():
-                valid, bonus = auto.round(clock, draft, verifier, sampler, requests, valid, bonus,
-                                          check_ranks)
+                valid, bonus = auto.round(clock, draft, verifier, sampler, requests, valid, bonus)
         if hasattr(policy, "finish"):
             policy.finish(auto.calibration.sums.tolist())
             cost_aware.remember(policy)
@@ -563,7 +575,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             tree, vis = build_tree(draft_logits, bonus, valid)
             clock.mark()
             verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree,
-                                                      vis, valid, check_ranks)
+                                                      vis, valid)
             draft.commit(hidden_states, verdict)
             valid, bonus = valid + verdict.accept_len, verdict.bonus
             requests.take(emitted.tolist(), 0 if auto_plain else None)  # the one host read

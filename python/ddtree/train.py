@@ -325,7 +325,8 @@ def block_logits(drafter, target, features: torch.Tensor, tokens: torch.Tensor,
     """Training forward of many blocks at once. features [B, T, n*H] (target features of every
     position), tokens [B, T], anchors [B, M] (block m starts at anchors[:, m] and sees the context
     of positions < anchors[:, m] and its own block). Returns logits [B, M, block_size - 1, V] of
-    block rows 1.. — the same numbers DFlashDrafter.propose gives for that context and bonus token."""
+    block rows 1.. — the same numbers a drafter step gives for that context and bonus token
+    (tests/test_train.py)."""
     b, t = tokens.shape
     m, s = anchors.shape[1], drafter.block_size
     device = tokens.device

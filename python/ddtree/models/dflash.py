@@ -203,7 +203,7 @@ class ContextRows:
     """Where a drafter step's new context rows go (device tensors [B]): request b has cached[b]
     rows in the cache and brings new[b] valid rows (the rest of the C rows is padding). The
     unfused path attends to the first key_rows cache rows (a host int: the loop's capacity, or
-    propose()'s longest context), masked per request."""
+    the longest context of a step driven from host lists), masked per request."""
 
     def __init__(self, cached_t: torch.Tensor, new_t: torch.Tensor, key_rows: int):
         self.cached_t, self.new_t, self.key_rows = cached_t, new_t, key_rows
@@ -233,7 +233,7 @@ class DFlashLayer(nn.Module):
 class DraftCache:
     """The drafter's context K/V for a batch: per draft layer (K, V) [B, Hkv, capacity, D],
     preallocated and grown by doubling; request b's context is rows [0, lengths[b]) (positions
-    0..lengths[b]-1). fused: propose() runs the draft_attention op."""
+    0..lengths[b]-1). fused: steps run the draft_attention op."""
     layers: List[Optional[tuple]] = field(default_factory=list)
     lengths: List[int] = field(default_factory=lambda: [0])
     fused: bool = False
@@ -264,8 +264,9 @@ class DraftCache:
 
 
 class DFlashDrafter(nn.Module):
-    """The DFlash drafter. `propose` turns the bonus token + new target features into per-depth
-    draft logits [B, block_size - 1, V] using the target's embedding and LM head."""
+    """The DFlash drafter. A step (`draft_block`; driven across rounds by DFlashDraftState) turns
+    the bonus token + new target features into per-depth draft logits [B, block_size - 1, V]
+    using the target's embedding and LM head."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -374,32 +375,6 @@ class DFlashDrafter(nn.Module):
         return cache
 
     @torch.no_grad()
-    def propose(self, target, bonus: torch.Tensor, features, cache: DraftCache) -> torch.Tensor:
-        """bonus [B] (each block's first token); features: [B, C, n*H], or a list of B tensors
-        [1, C_b, n*H] / [C_b, n*H] when the requests bring different numbers of rows — the target
-        features of tokens not yet in the drafter's context (request b's sit at positions
-        cache.lengths[b] ..). Appends them to the context cache and returns draft logits
-        [B, block_size - 1, V]. One pass for the whole batch: new rows right-padded, padding
-        masked (draft_attention's context_len when fused)."""
-        b = bonus.shape[0]
-        device = bonus.device
-        if isinstance(features, torch.Tensor):
-            features = list(features)
-        feats = [f.reshape(-1, f.shape[-1]) for f in features]
-        if len(feats) != b or len(cache.lengths) != b:
-            raise ValueError(f"DFlashDrafter.propose: {b} bonus tokens, {len(feats)} feature rows "
-                             f"and a cache of {len(cache.lengths)} requests must agree")
-        new = [f.shape[0] for f in feats]
-        ctx_in = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True) if max(new) > 0 \
-            else feats[0].new_zeros(b, 0, feats[0].shape[-1])
-        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        rows = ContextRows(as_t(cache.lengths), as_t(new),
-                           max(c + n for c, n in zip(cache.lengths, new)))
-        self.reserve(cache, b, max(cache.lengths) + ctx_in.shape[1])
-        logits = self.draft_block(target, bonus, ctx_in, rows, cache)
-        cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
-        return logits
-
     def begin(self, target, prompt_hidden_states, capacity: int, cuda_graph: bool = False):
         """The drafter's side of generate_batch (ddtree.generate.Drafter): a DFlashDraftState
         for the requests whose prompt hidden states (one tuple per request) are given, with a
