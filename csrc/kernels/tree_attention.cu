@@ -510,19 +510,19 @@ int launch_for_dim(const TreeAttentionParams& p, void* stream) {
 }  // namespace
 
 void append_attention_shapes(std::vector<KernelShape>& out) {
-  static const char* const names[] = {
-      "tree_attention_kernel<64, true>",   "tree_attention_kernel<64, false>",
-      "tree_attention_kernel<128, true>",  "tree_attention_kernel<128, false>",
-      "tree_attention_kernel<256, true>",  "tree_attention_kernel<256, false>",
-      "draft_attention_kernel<64, true>",  "draft_attention_kernel<64, false>",
-      "draft_attention_kernel<128, true>", "draft_attention_kernel<128, false>",
-      "draft_attention_kernel<256, true>", "draft_attention_kernel<256, false>"};
-  const size_t tree_bytes[] = {AttnTile<64, false>::kBytes, AttnTile<128, false>::kBytes,
-                               AttnTile<256, false>::kBytes};
-  const size_t draft_bytes[] = {AttnTile<64, true>::kBytes, AttnTile<128, true>::kBytes,
-                                AttnTile<256, true>::kBytes};
-  for (int i = 0; i < 12; ++i)
-    out.push_back({names[i], static_cast<int>(kAttnWarps * 32), (i < 6 ? tree_bytes : draft_bytes)[i % 6 / 2], ""});
+  const int threads = static_cast<int>(kAttnWarps * 32);
+  out.push_back({"tree_attention_kernel<64, true>", threads, AttnTile<64, false>::kBytes, ""});
+  out.push_back({"tree_attention_kernel<64, false>", threads, AttnTile<64, false>::kBytes, ""});
+  out.push_back({"tree_attention_kernel<128, true>", threads, AttnTile<128, false>::kBytes, ""});
+  out.push_back({"tree_attention_kernel<128, false>", threads, AttnTile<128, false>::kBytes, ""});
+  out.push_back({"tree_attention_kernel<256, true>", threads, AttnTile<256, false>::kBytes, ""});
+  out.push_back({"tree_attention_kernel<256, false>", threads, AttnTile<256, false>::kBytes, ""});
+  out.push_back({"draft_attention_kernel<64, true>", threads, AttnTile<64, true>::kBytes, ""});
+  out.push_back({"draft_attention_kernel<64, false>", threads, AttnTile<64, true>::kBytes, ""});
+  out.push_back({"draft_attention_kernel<128, true>", threads, AttnTile<128, true>::kBytes, ""});
+  out.push_back({"draft_attention_kernel<128, false>", threads, AttnTile<128, true>::kBytes, ""});
+  out.push_back({"draft_attention_kernel<256, true>", threads, AttnTile<256, true>::kBytes, ""});
+  out.push_back({"draft_attention_kernel<256, false>", threads, AttnTile<256, true>::kBytes, ""});
   out.push_back({"attention_combine_kernel<true>", 32, 0, ""});
   out.push_back({"attention_combine_kernel<false>", 32, 0, ""});
 }
