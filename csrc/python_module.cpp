@@ -39,6 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("emulator_max_dynamic_smem", [] { return ddtree::simt::options().max_dynamic_smem; });
   m.def("quantise_weight", &ddtree::quantise_weight,
         "verify_sample's token weight round(e * 2^44) of e = exp(z - max) in [0, 1]");
+  m.def("sample_exp", &ddtree::sample_exp, "verify_sample's e^x (x <= 0), the same bits in every build");
+  m.def("scaled_logit_fma", [](float x, float t) {
+    return ddtree::scaled_logit_fma(x, ddtree::temperature_scale(t));
+  }, "x / T as the GPU computes it (reciprocal + fma), on the host");
   m.def("kernel_shapes", [] {
     std::vector<std::tuple<std::string, int, size_t, std::string>> rows;
     for (const auto& s : ddtree::emulated::kernel_shapes())

@@ -213,3 +213,31 @@ def test_emulated_kernel_draws_rows_at_once_for_small_batches_and_walks_otherwis
         per(0.8, batch, torch.float32, "cpu"), args["seed"], args["offset"], 4)
     assert _C.emulator_grids_run() - before == grids
     assert all(torch.equal(x, y) for x, y in zip(got, expected))
+
+
+def test_gpu_division_by_the_temperature_equals_the_cpus():
+    """The device form of x / T (q = RN(x * RN(1/T)), then an fma correction) equals the correctly
+    rounded division for random float32 values over many binades (subnormal results excluded:
+    a fast-math GPU flushes them)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.rand(20000, generator=g) - 0.5) * torch.exp2(torch.randint(-20, 20, (20000,), generator=g).float())
+    t = torch.rand(20000, generator=g) * torch.exp2(torch.randint(-6, 5, (20000,), generator=g).float()) + 1e-3
+    want = x / t  # float32, correctly rounded
+    for xi, ti, wi in zip(x.tolist(), t.tolist(), want.tolist()):
+        if abs(wi) >= 2.0 ** -126 or wi == 0:
+            assert _C.scaled_logit_fma(xi, ti) == wi, (xi, ti)
+
+
+def test_sample_exp_is_within_two_ulp_of_exp():
+    """verify_sample's exp (fma-only, bit-identical across builds) against float64 exp."""
+    import math
+    import numpy as np
+    xs = np.linspace(-87.0, 0.0, 200001, dtype=np.float32).tolist()
+    xs += [float(np.float32(x)) for x in (0.0, -1e-8, -0.5, -86.99)]  # the op's x is a float32
+    worst = 0.0
+    for x in xs:
+        got, exact = _C.sample_exp(x), math.exp(x)
+        worst = max(worst, abs(got - exact) / float(np.spacing(np.float32(exact))))
+    assert worst <= 2.0, worst
+    assert _C.sample_exp(0.0) == 1.0
+    assert _C.sample_exp(-88.0) == 0.0 and _C.sample_exp(float("nan")) == 0.0

@@ -153,10 +153,16 @@ DDTREE_HOST_DEVICE TemperatureScale temperature_scale(float t) {
 #endif
 }
 
+// The GPU's division: one correctly rounded reciprocal per row, then a multiply and two fmas per
+// element. Host-callable (fma_rn / mul_rn), so tests compare it with x / T on the CPU.
+DDTREE_HOST_DEVICE float scaled_logit_fma(float x, const TemperatureScale& s) {
+  const float q = mul_rn(x, s.inv);
+  return fma_rn(fma_rn(-q, s.t, x), s.inv, q);
+}
+
 DDTREE_HOST_DEVICE float scaled_logit(float x, const TemperatureScale& s) {
 #if defined(__CUDA_ARCH__)
-  const float q = __fmul_rn(x, s.inv);
-  return __fmaf_rn(__fmaf_rn(-q, s.t, x), s.inv, q);
+  return scaled_logit_fma(x, s);
 #else
   return x / s.t;
 #endif

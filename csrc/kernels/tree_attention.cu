@@ -510,19 +510,20 @@ int launch_for_dim(const TreeAttentionParams& p, void* stream) {
 }  // namespace
 
 void append_attention_shapes(std::vector<KernelShape>& out) {
-  const int threads = static_cast<int>(kAttnWarps * 32);
-  out.push_back({"tree_attention_kernel<64, true>", threads, AttnTile<64, false>::kBytes, ""});
-  out.push_back({"tree_attention_kernel<64, false>", threads, AttnTile<64, false>::kBytes, ""});
-  out.push_back({"tree_attention_kernel<128, true>", threads, AttnTile<128, false>::kBytes, ""});
-  out.push_back({"tree_attention_kernel<128, false>", threads, AttnTile<128, false>::kBytes, ""});
-  out.push_back({"tree_attention_kernel<256, true>", threads, AttnTile<256, false>::kBytes, ""});
-  out.push_back({"tree_attention_kernel<256, false>", threads, AttnTile<256, false>::kBytes, ""});
-  out.push_back({"draft_attention_kernel<64, true>", threads, AttnTile<64, true>::kBytes, ""});
-  out.push_back({"draft_attention_kernel<64, false>", threads, AttnTile<64, true>::kBytes, ""});
-  out.push_back({"draft_attention_kernel<128, true>", threads, AttnTile<128, true>::kBytes, ""});
-  out.push_back({"draft_attention_kernel<128, false>", threads, AttnTile<128, true>::kBytes, ""});
-  out.push_back({"draft_attention_kernel<256, true>", threads, AttnTile<256, true>::kBytes, ""});
-  out.push_back({"draft_attention_kernel<256, false>", threads, AttnTile<256, true>::kBytes, ""});
+  static const char* const names[2][3][2] = {
+      {{"tree_attention_kernel<64, true>", "tree_attention_kernel<64, false>"},
+       {"tree_attention_kernel<128, true>", "tree_attention_kernel<128, false>"},
+       {"tree_attention_kernel<256, true>", "tree_attention_kernel<256, false>"}},
+      {{"draft_attention_kernel<64, true>", "draft_attention_kernel<64, false>"},
+       {"draft_attention_kernel<128, true>", "draft_attention_kernel<128, false>"},
+       {"draft_attention_kernel<256, true>", "draft_attention_kernel<256, false>"}}};
+  static const size_t bytes[2][3] = {
+      {AttnTile<64, false>::kBytes, AttnTile<128, false>::kBytes, AttnTile<256, false>::kBytes},
+      {AttnTile<64, true>::kBytes, AttnTile<128, true>::kBytes, AttnTile<256, true>::kBytes}};
+  for (int draft = 0; draft < 2; ++draft)
+    for (int d = 0; d < 3; ++d)
+      for (int dtype = 0; dtype < 2; ++dtype)
+        out.push_back({names[draft][d][dtype], static_cast<int>(kAttnWarps * 32), bytes[draft][d], ""});
   out.push_back({"attention_combine_kernel<true>", 32, 0, ""});
   out.push_back({"attention_combine_kernel<false>", 32, 0, ""});
 }
