@@ -12,7 +12,7 @@ void define_public_ops(torch::Library& m) {
       "(Tensor visible, Tensor packed, Tensor positions)");
   m.def(
       "tree_attention_mask(Tensor parents, Tensor num_nodes, int past, ScalarType dtype, "
-      "Tensor? prefix_len=None) -> Tensor");
+      "Tensor? committed_len=None, Tensor? start=None) -> Tensor");
   m.def("tree_topk(Tensor logits, int k) -> (Tensor logprobs, Tensor ids)");
   m.def("tree_topk_shard(Tensor logits, int k, int vocab_offset, int vocab_size) -> Tensor");
   m.def("tree_topk_merge(Tensor parts) -> (Tensor logprobs, Tensor ids)");
@@ -47,7 +47,7 @@ void define_public_ops(torch::Library& m) {
       "Tensor accept_len) -> ()");
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor past_len, Tensor packed, "
-      "float? scale=None, Tensor? prefix_len=None, int? num_splits=None) -> Tensor");
+      "float? scale=None, Tensor? committed_len=None, int? num_splits=None) -> Tensor");
   m.def(
       "draft_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor cache_len, Tensor q_norm_weight, Tensor k_norm_weight, "
@@ -55,10 +55,10 @@ void define_public_ops(torch::Library& m) {
       "int? num_splits=None, Tensor? context_len=None) -> Tensor");
   m.def(
       "commit_kv_(Tensor(a!) cache, Tensor past_len, Tensor accepted, Tensor accept_len, "
-      "str layout=\"BHSD\", Tensor? dst_len=None) -> ()");
+      "str layout=\"BHSD\", Tensor? committed_len=None) -> ()");
   m.def(
       "commit_kv_layers_(Tensor(a!)[] caches, Tensor past_len, Tensor accepted, Tensor accept_len, "
-      "str layout=\"BHSD\", Tensor? dst_len=None) -> ()");
+      "str layout=\"BHSD\", Tensor? committed_len=None) -> ()");
 }
 
 }  // namespace

@@ -101,7 +101,7 @@ def test_deferred_context_equals_drafted_context():
         drafted.commit(h, root_only)
         deferred.defer(h)
     torch.testing.assert_close(deferred.step(bonus), drafted.step(bonus), rtol=1e-4, atol=1e-4)
-    assert torch.equal(deferred.rows.cached_t, drafted.rows.cached_t)
+    assert torch.equal(deferred.rows.committed_len, drafted.rows.committed_len)
 
 
 def test_policy_choices_and_probes():

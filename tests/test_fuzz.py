@@ -110,17 +110,19 @@ def test_fuzz_tree_visibility(backend, case, start):
 @pytest.mark.parametrize("backend", BACKENDS)
 @fuzz_settings(300)
 @given(forests(max_n=40), st.integers(0, 40), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.booleans())
-def test_fuzz_tree_attention_mask(backend, case, past, dtype, with_prefix):
+       st.booleans(), st.booleans())
+def test_fuzz_tree_attention_mask(backend, case, past, dtype, with_prefix, with_start):
     parents, counts, valid = case
     dev = device_for(backend)
     prefix = torch.randint(0, past + 1, (parents.shape[0],)) if with_prefix else None
+    start = torch.randint(0, past + 1, (parents.shape[0],)) if with_start else None
+    to_dev = lambda t: None if t is None else t.to(dev)  # noqa: E731
     call = lambda: ops_for(backend).tree_attention_mask(  # noqa: E731
-        parents.to(dev), counts.to(dev), past, dtype, None if prefix is None else prefix.to(dev))
+        parents.to(dev), counts.to(dev), past, dtype, to_dev(prefix), to_dev(start))
     if not valid:
         return expect_tree_error(call)
     assert torch.equal(call().cpu(), reference.tree_attention_mask(parents, counts, past, dtype,
-                                                                   prefix))
+                                                                   prefix, start))
     count_trees(f"tree_attention_mask[{backend}]", parents.shape[0])
 
 
@@ -343,7 +345,7 @@ def test_fuzz_recurrent_ops(backend, case, width, seed, dtype):
 @given(forests(max_batch=3, max_n=40, corrupt=False), st.integers(0, 2**31 - 1),
        st.sampled_from([(4, 2), (2, 2), (4, 1)]), st.booleans())
 def test_fuzz_tree_attention(backend, case, seed, heads, with_prefix):
-    """Random forests over random prefixes (GQA, prefix_len below the tree start); CPU in fp32
+    """Random forests over random prefixes (GQA, committed_len below the tree start); CPU in fp32
     with head dims 8 / 12 / 16 / 40 / 64, the emulated mma kernel in bf16 with 64."""
     parents, counts, _ = case
     g = torch.Generator().manual_seed(seed)

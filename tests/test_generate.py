@@ -494,7 +494,7 @@ def test_draft_state_proposes_what_the_host_list_step_proposes(fused):
         state.commit(rows, ddtree.Verdict(accepted, accept_len, bonus))
         f = drafter.target_features(rows)
         feats = [f[b, accepted[b, : accept_len[b]]] for b in range(3)]
-    assert state.rows.cached_t.tolist() == plain.lengths
+    assert state.rows.committed_len.tolist() == plain.lengths
 
 
 def test_lossless_with_the_fused_drafter_and_tree_attention(monkeypatch):

@@ -240,5 +240,6 @@ def test_hostile_tree_visibility(backend, batch, n, past, data):
     run_unchecked(lambda: ops.tree_visibility(parents, num_nodes, start),
                   [parents, num_nodes, start])
     mask = run_unchecked(lambda: ops.tree_attention_mask(parents, num_nodes, past, torch.float32,
-                                                         prefix), [parents, num_nodes, prefix])
+                                                         prefix, start),
+                         [parents, num_nodes, prefix, start])
     assert mask.shape == (batch, 1, n, past + n)

@@ -384,7 +384,7 @@ def test_commit_kv_to_a_per_request_destination(backend):
     moved = cache.clone().to(dev)
     ops_for(backend).commit_kv_(moved, past.to(dev), accepted.to(dev), lengths.to(dev), "BHSD", dst.to(dev))
     assert torch.equal(moved.cpu(), expected)
-    with pytest.raises(RuntimeError, match=r"dst_len must be in \[0, past_len\]"):
+    with pytest.raises(RuntimeError, match=r"committed_len must be in \[0, past_len\]"):
         torch.ops.ddtree.commit_kv_(cache, past, accepted, lengths, "BHSD", past + 1)
 
 

@@ -182,6 +182,8 @@ def test_opcheck(namespace):
     parents, counts, start = _sample_args()
     torch.library.opcheck(ops.tree_visibility.default, (parents, counts, start))
     torch.library.opcheck(ops.tree_attention_mask.default, (parents, counts, 3, torch.bfloat16))
+    torch.library.opcheck(ops.tree_attention_mask.default,
+                          (parents, counts, 3, torch.bfloat16, counts, start.clamp(max=3)))
     torch.library.opcheck(ops.tree_visibility.default, (parents.int(), counts.int(), start.int()))
 
 
@@ -226,9 +228,8 @@ def test_bad_input_is_rejected_with_a_clear_message(namespace, make_bad, message
     p, c, s = make_bad(*_sample_args())
     with pytest.raises(RuntimeError, match=message):
         ops.tree_visibility(p, c, s)
-    if "start" not in message:  # tree_attention_mask takes no start
-        with pytest.raises(RuntimeError, match=message):
-            ops.tree_attention_mask(p, c, 1, torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        ops.tree_attention_mask(p, c, 1, torch.float32, None, s.clamp(0, 1))
 
 
 def test_bad_mask_arguments():
@@ -237,6 +238,11 @@ def test_bad_mask_arguments():
         ddtree.tree_attention_mask(parents, counts, -1)
     with pytest.raises(RuntimeError, match="dtype must be float16, bfloat16, float32 or float64"):
         ddtree.tree_attention_mask(parents, counts, 0, torch.int32)
+    start = torch.zeros(parents.shape[0], dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"start must be in \[0, past\] = \[0, 2\]"):
+        ddtree.tree_attention_mask(parents, counts, 2, start=start + 3)
+    with pytest.raises(RuntimeError, match="start must have shape"):
+        ddtree.tree_attention_mask(parents, counts, 2, start=start[:1].expand(1, 1))
 
 
 def test_validation_off_never_hangs_on_cyclic_parents():
@@ -277,7 +283,7 @@ def test_device_mismatch_is_rejected():
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_attention_mask_with_per_request_prefix(backend, dtype):
-    """A batch sharing one tree start (past) whose requests have fewer valid cache rows."""
+    """A batch sharing one tree start (past) whose requests have fewer committed cache rows."""
     parents = torch.tensor([[-1, 0, 0, 1, 2, 3, -1], [-1, 0, 1, 2, -1, -1, -1]])
     counts = torch.tensor([6, 4])
     prefix = torch.tensor([9, 4])
@@ -286,3 +292,21 @@ def test_attention_mask_with_per_request_prefix(backend, dtype):
                                            prefix.to(dev)).cpu()
     assert torch.equal(got, reference.tree_attention_mask(parents, counts, 9, dtype, prefix))
     assert (got[1, 0, :, 4:9] == torch.finfo(dtype).min).all() and (got[1, 0, :, :4] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_attention_mask_with_tree_start_inside_the_columns(backend):
+    """A static cache of past + N columns whose tree block starts at start[b] < past: the
+    columns after the block (unwritten cache rows) are blocked, the block follows the parents."""
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, -1]])
+    counts = torch.tensor([4, 3])
+    committed, start = torch.tensor([5, 2]), torch.tensor([6, 3])
+    dev = kernel_device(backend) if backend != "cpu" else "cpu"
+    got = OPS[backend].tree_attention_mask(parents.to(dev), counts.to(dev), 10, torch.float32,
+                                           committed.to(dev), start.to(dev)).cpu()
+    assert torch.equal(got, reference.tree_attention_mask(parents, counts, 10, torch.float32,
+                                                          committed, start))
+    low = torch.finfo(torch.float32).min
+    # Request 1: rows 0..1 committed, 2 padding, tree at 3..6 (node 2 sees 0, 1, 2), 7.. blocked.
+    assert got[1, 0, 2].tolist() == [0, 0, low, 0, 0, 0, low] + [low] * 7
+    assert (got[0, 0, :, 10:] == low).all() and got[0, 0, 3, 6:10].tolist() == [0, 0, low, 0]

@@ -18,14 +18,14 @@ struct CommitKvParams {
   int64_t batch = 0, heads = 0, seq = 0, dim = 0;
   int64_t stride_b = 0, stride_h = 0, stride_s = 0;
   const int64_t* past_len = nullptr;    // [B] where the tree rows start
-  const int64_t* dst_len = nullptr;     // [B] where the path goes (<= past_len); null: past_len
+  const int64_t* committed_len = nullptr;     // [B] where the path goes (<= past_len); null: past_len
   const int64_t* accepted = nullptr;    // [B, A] tree node indices, root first
   const int64_t* accept_len = nullptr;  // [B]
   int64_t accepted_stride = 0;          // A
 };
 
 DDTREE_HOST_DEVICE int64_t kv_destination(const CommitKvParams& p, int64_t b) {
-  return p.dst_len ? p.dst_len[b] : p.past_len[b];
+  return p.committed_len ? p.committed_len[b] : p.past_len[b];
 }
 
 // Rows of request b's path that move: accept_len[b] clamped into [0, A].

@@ -56,7 +56,7 @@ struct TreeAttentionParams {
   int64_t kv_stride_b = 0, kv_stride_h = 0, kv_stride_s = 0;
   ElemDtype dtype = ElemDtype::kFloat32;
   const int64_t* past_len = nullptr;  // [B] where the tree rows start
-  const int64_t* prefix_len = nullptr;  // [B] visible prefix rows (<= past_len); null: past_len
+  const int64_t* committed_len = nullptr;  // [B] visible prefix rows (<= past_len); null: past_len
   const uint32_t* packed = nullptr;   // [B, N, words] visibility rows (tree_visibility)
   int64_t words = 0;
   int64_t batch = 0, n = 0, hq = 0, hkv = 0, d = 0, s_max = 0;
@@ -67,7 +67,7 @@ struct TreeAttentionParams {
 
 DDTREE_HOST_DEVICE bool tree_key_visible(const TreeAttentionParams& p, int64_t b, int64_t i,
                                          int64_t past, int64_t key) {
-  if (key < past) return !p.prefix_len || key < p.prefix_len[b];
+  if (key < past) return !p.committed_len || key < p.committed_len[b];
   const int64_t t = key - past;
   if (t >= p.n || key >= p.s_max) return false;
   return (p.packed[(b * p.n + i) * p.words + (t >> 5)] >> (t & 31)) & 1u;

@@ -13,7 +13,9 @@ struct TreeVisibilityParams {
   bool parents_int64 = true;
   int64_t parents_stride = 0;     // elements between consecutive requests
   const int64_t* num_nodes = nullptr;  // [B]
-  const int64_t* start = nullptr;      // [B] first position (position of the root); may be null
+  // [B] first position (position of the root); may be null. The mask's tree block begins at
+  // column start[b] (clamped into [0, past]; null: past).
+  const int64_t* start = nullptr;
   int64_t batch = 0, n = 0;
   // Outputs; a null pointer skips that output. All contiguous.
   bool* visible = nullptr;        // [B, N, N]
@@ -23,12 +25,17 @@ struct TreeVisibilityParams {
   int mask_elem_bytes = 4;        // 2 (fp16 / bf16), 4 (fp32) or 8 (fp64)
   uint64_t mask_blocked = 0;      // bit pattern of the blocked value (dtype's lowest finite)
   int64_t past = 0;               // columns before the tree block
-  const int64_t* prefix_len = nullptr;  // [B] visible prefix columns (<= past); null: all past
+  const int64_t* committed_len = nullptr;  // [B] visible prefix columns (<= past); null: all past
 };
 
-// Whether prefix column c (< past) of request b is visible: the request's valid cache rows.
+// Whether prefix column c (< the tree column) of request b is visible: its committed rows.
 DDTREE_HOST_DEVICE bool prefix_visible(const TreeVisibilityParams& p, int64_t b, int64_t c) {
-  return !p.prefix_len || c < p.prefix_len[b];
+  return !p.committed_len || c < p.committed_len[b];
+}
+
+// Mask column of request b's root row: start[b] clamped into [0, past], or past.
+DDTREE_HOST_DEVICE int64_t mask_tree_column(const TreeVisibilityParams& p, int64_t b) {
+  return p.start ? clamp_index(p.start[b], 0, p.past) : p.past;
 }
 
 template <class index_t>
@@ -70,7 +77,16 @@ DDTREE_HOST_DEVICE bool row_bit(const uint32_t* words, int64_t j) {
   return (words[j >> 5] >> (j & 31)) & 1u;
 }
 
-// Writes element `col` of mask row (b, i): 0 for the prefix and visible tree nodes.
+// Whether column c of request b's mask row whose visibility bits are `bits` is visible: committed
+// prefix columns before the tree column, visible nodes in the tree block, nothing after it.
+DDTREE_HOST_DEVICE bool mask_visible(const TreeVisibilityParams& p, int64_t b,
+                                     const uint32_t* bits, int64_t c) {
+  const int64_t tree = mask_tree_column(p, b);
+  if (c < tree) return prefix_visible(p, b, c);
+  return c - tree < p.n && row_bit(bits, c - tree);
+}
+
+// Writes element `offset` of the mask: 0 where visible.
 DDTREE_HOST_DEVICE void store_mask_value(const TreeVisibilityParams& p, int64_t offset,
                                          bool visible) {
   const uint64_t v = visible ? 0 : p.mask_blocked;

@@ -78,8 +78,8 @@ __attribute__((always_inline)) inline void attention_items(const TreeAttentionPa
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.hkv, kh = item % p.hkv;
     const int64_t past = p.past_len[b], keys = tree_key_count(p, b);
-    // Keys [0, open) are visible to every row: the prefix, up to prefix_len when given.
-    const int64_t open = p.prefix_len ? std::min(past, p.prefix_len[b]) : past;
+    // Keys [0, open) are visible to every row: the prefix, up to committed_len when given.
+    const int64_t open = p.committed_len ? std::min(past, p.committed_len[b]) : past;
     const int64_t kv_base = b * p.kv_stride_b + kh * p.kv_stride_h;
     const int64_t blocks = (keys + kKeyBlock - 1) / kKeyBlock;
     kt.assign(blocks * D * kKeyBlock, 0.f);

@@ -57,8 +57,7 @@ __global__ void __launch_bounds__(kVisThreads)
       const int64_t cols = p.past + n;
       const int64_t base = (b * n + row0) * cols;
       for (FlatIndex at(tid, nthreads, cols); at.r < rows; at.next()) {
-        store_mask_value(p, base + at.k, at.c < p.past ? prefix_visible(p, b, at.c)
-                                                       : row_bit(bits + at.r * words, at.c - p.past));
+        store_mask_value(p, base + at.k, mask_visible(p, b, bits + at.r * words, at.c));
       }
     }
     __syncthreads();

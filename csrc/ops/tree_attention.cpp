@@ -17,7 +17,7 @@ constexpr OpKernels<TreeAttentionParams> kAttentionKernels{
 template <Backend kBackend>
 Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& past_len, const Tensor& packed, c10::optional<double> scale,
-                      const c10::optional<Tensor>& prefix_len, c10::optional<int64_t> num_splits) {
+                      const c10::optional<Tensor>& committed_len, c10::optional<int64_t> num_splits) {
   constexpr const char* op = "tree_attention";
   TORCH_CHECK(q.dim() == 4, op, ": q must be a 4-D tensor [B, N, Hq, D], got shape ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), op,
@@ -58,12 +58,12 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
                 low, ", ", high, "], N = ", N, ", cache length S = ", S);
   }
   Tensor prefix;
-  if (prefix_len.has_value() && prefix_len->defined()) {
-    check_index_tensor(op, "prefix_len", *prefix_len);
-    TORCH_CHECK(prefix_len->dim() == 1 && prefix_len->size(0) == B, op,
-                ": prefix_len must have shape [B] = [", B, "], got ", prefix_len->sizes());
-    check_same_device(op, "prefix_len", *prefix_len, q);
-    prefix = prefix_len->to(at::kLong).contiguous();
+  if (committed_len.has_value() && committed_len->defined()) {
+    check_index_tensor(op, "committed_len", *committed_len);
+    TORCH_CHECK(committed_len->dim() == 1 && committed_len->size(0) == B, op,
+                ": committed_len must have shape [B] = [", B, "], got ", committed_len->sizes());
+    check_same_device(op, "committed_len", *committed_len, q);
+    prefix = committed_len->to(at::kLong).contiguous();
   }
   Tensor out = at::empty({B, N, Hq, D}, q.options());
   TreeAttentionParams p;
@@ -78,7 +78,7 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   p.kv_stride_s = kc.stride(2);
   p.dtype = logits_dtype(dtype);
   p.past_len = past.data_ptr<int64_t>();
-  p.prefix_len = prefix.defined() ? prefix.data_ptr<int64_t>() : nullptr;
+  p.committed_len = prefix.defined() ? prefix.data_ptr<int64_t>() : nullptr;
   p.packed = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
   p.words = packed_words(N);
   p.batch = B;

@@ -184,7 +184,7 @@ void check_commit_values(const char* op, const Tensor& past, const Tensor& accep
 template <Backend kBackend>
 void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len,
                    const Tensor& accepted, const Tensor& accept_len, c10::string_view layout,
-                   const c10::optional<Tensor>& dst_len) {
+                   const c10::optional<Tensor>& committed_len) {
   TORCH_CHECK(layout == "BHSD" || layout == "BSHD", op, ": layout must be \"BHSD\" or \"BSHD\", got \"",
               std::string(layout), "\"");
   TORCH_CHECK(!caches.empty(), op, ": caches must hold at least one tensor");
@@ -220,17 +220,17 @@ void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len
     check_same_device(op, name, *t, cache);
   const Tensor past = as_long(past_len), path = as_long(accepted), len = as_long(accept_len);
   Tensor dst;
-  if (dst_len.has_value() && dst_len->defined()) {
-    check_index_tensor(op, "dst_len", *dst_len);
-    check_shape(op, "dst_len", *dst_len, {B}, "[B]");
-    check_same_device(op, "dst_len", *dst_len, cache);
-    dst = as_long(*dst_len);
+  if (committed_len.has_value() && committed_len->defined()) {
+    check_index_tensor(op, "committed_len", *committed_len);
+    check_shape(op, "committed_len", *committed_len, {B}, "[B]");
+    check_same_device(op, "committed_len", *committed_len, cache);
+    dst = as_long(*committed_len);
   }
   if (should_validate_values(cache)) {
     check_commit_values(op, past, path, len, S);
     if (dst.defined())
       TORCH_CHECK(dst.ge(0).logical_and(dst.le(past)).all().item<bool>(), op,
-                  ": dst_len must be in [0, past_len] for every request");
+                  ": committed_len must be in [0, past_len] for every request");
   }
   CommitKvParams p;
   p.elem_bytes = static_cast<int>(elem);
@@ -244,7 +244,7 @@ void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len
   p.past_len = past.data_ptr<int64_t>();
   p.accepted = path.data_ptr<int64_t>();
   p.accept_len = len.data_ptr<int64_t>();
-  p.dst_len = dst.defined() ? dst.data_ptr<int64_t>() : nullptr;
+  p.committed_len = dst.defined() ? dst.data_ptr<int64_t>() : nullptr;
   p.accepted_stride = path.size(1);
   for (size_t first = 0; first < caches.size(); first += kMaxCommitCaches) {
     p.num_caches = static_cast<int>(std::min<size_t>(kMaxCommitCaches, caches.size() - first));
@@ -256,16 +256,16 @@ void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len
 template <Backend kBackend>
 void commit_kv_(const Tensor& cache, const Tensor& past_len, const Tensor& accepted,
                 const Tensor& accept_len, c10::string_view layout,
-                const c10::optional<Tensor>& dst_len) {
-  commit_caches<kBackend>("commit_kv_", {cache}, past_len, accepted, accept_len, layout, dst_len);
+                const c10::optional<Tensor>& committed_len) {
+  commit_caches<kBackend>("commit_kv_", {cache}, past_len, accepted, accept_len, layout, committed_len);
 }
 
 template <Backend kBackend>
 void commit_kv_layers_(at::TensorList caches, const Tensor& past_len, const Tensor& accepted,
                        const Tensor& accept_len, c10::string_view layout,
-                       const c10::optional<Tensor>& dst_len) {
+                       const c10::optional<Tensor>& committed_len) {
   commit_caches<kBackend>("commit_kv_layers_", caches, past_len, accepted, accept_len, layout,
-                          dst_len);
+                          committed_len);
 }
 
 template <Backend kBackend>

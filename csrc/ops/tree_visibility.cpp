@@ -98,11 +98,16 @@ uint64_t lowest_bits(at::ScalarType dtype) {
 
 template <Backend kBackend>
 Tensor tree_attention_mask(const Tensor& parents, const Tensor& num_nodes, int64_t past,
-                           at::ScalarType dtype, const c10::optional<Tensor>& prefix_len) {
+                           at::ScalarType dtype, const c10::optional<Tensor>& committed_len,
+                           const c10::optional<Tensor>& start) {
   constexpr const char* op = "tree_attention_mask";
   TORCH_CHECK(past >= 0, op, ": past must be >= 0, got ", past);
   const uint64_t blocked = lowest_bits(dtype);
-  TreeInputs in = prepare(op, parents, num_nodes, nullptr);
+  const bool has_start = start.has_value() && start->defined();
+  TreeInputs in = prepare(op, parents, num_nodes, has_start ? &*start : nullptr);
+  if (has_start && in.params.batch > 0 && should_validate_values(parents))
+    TORCH_CHECK(in.start.ge(0).logical_and(in.start.le(past)).all().item<bool>(), op,
+                ": start must be in [0, past] = [0, ", past, "] for every request");
   const int64_t B = in.params.batch, N = in.params.n;
   Tensor mask = at::empty({B, 1, N, past + N}, parents.options().dtype(dtype));
   TreeVisibilityParams p = in.params;
@@ -111,13 +116,13 @@ Tensor tree_attention_mask(const Tensor& parents, const Tensor& num_nodes, int64
   p.mask_blocked = blocked;
   p.past = past;
   Tensor prefix;
-  if (prefix_len.has_value() && prefix_len->defined()) {
-    check_index_tensor(op, "prefix_len", *prefix_len);
-    TORCH_CHECK(prefix_len->dim() == 1 && prefix_len->size(0) == B, op,
-                ": prefix_len must have shape [B] = [", B, "], got ", prefix_len->sizes());
-    check_same_device(op, "prefix_len", *prefix_len, parents);
-    prefix = prefix_len->to(at::kLong).contiguous();
-    p.prefix_len = prefix.data_ptr<int64_t>();
+  if (committed_len.has_value() && committed_len->defined()) {
+    check_index_tensor(op, "committed_len", *committed_len);
+    TORCH_CHECK(committed_len->dim() == 1 && committed_len->size(0) == B, op,
+                ": committed_len must have shape [B] = [", B, "], got ", committed_len->sizes());
+    check_same_device(op, "committed_len", *committed_len, parents);
+    prefix = committed_len->to(at::kLong).contiguous();
+    p.committed_len = prefix.data_ptr<int64_t>();
   }
   run<kBackend>(op, p, parents);
   return mask;

@@ -48,7 +48,7 @@ def _register(namespace: str) -> None:
         )
 
     @register_fake(f"{namespace}::tree_attention_mask")
-    def _tree_attention_mask(parents, num_nodes, past, dtype, prefix_len=None):
+    def _tree_attention_mask(parents, num_nodes, past, dtype, committed_len=None, start=None):
         b, n = parents.shape
         return parents.new_empty((b, 1, n, past + n), dtype=dtype)
 
@@ -119,7 +119,7 @@ def _register(namespace: str) -> None:
         return None
 
     @register_fake(f"{namespace}::tree_attention")
-    def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None, prefix_len=None,
+    def _tree_attention(q, k_cache, v_cache, past_len, packed, scale=None, committed_len=None,
                         num_splits=None):
         return q.new_empty(q.shape)
 
@@ -130,11 +130,11 @@ def _register(namespace: str) -> None:
         return q.new_empty(q.shape)
 
     @register_fake(f"{namespace}::commit_kv_")
-    def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD", dst_len=None):
+    def _commit_kv(cache, past_len, accepted, accept_len, layout="BHSD", committed_len=None):
         return None
 
     @register_fake(f"{namespace}::commit_kv_layers_")
-    def _commit_kv_layers(caches, past_len, accepted, accept_len, layout="BHSD", dst_len=None):
+    def _commit_kv_layers(caches, past_len, accepted, accept_len, layout="BHSD", committed_len=None):
         return None
 
 

@@ -65,8 +65,9 @@ class Verifier(Protocol):
     def prefill(self, prompts):
         """(last prompt position's logits [B, 1, V], hidden states of each prompt)."""
 
-    def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor):
-        """(logits [B, N, V], hidden states) of the tree rows; valid [B]: committed rows."""
+    def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, committed_len: torch.Tensor):
+        """(logits [B, N, V], hidden states) of the tree rows; committed_len [B]: each request's
+        committed cache rows."""
 
     def commit(self, verdict: ops.Verdict) -> None:
         """Keeps the accepted path's rows / states."""
@@ -154,6 +155,14 @@ class _Sampler:
         return ops.verify_sample(tree, logits, self.depth, self.temperature, self.top_k,
                                  self.top_p, self.seeds, self.offset)
 
+    def first_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """The token after each prompt [B] from the prefill's last logits [B, 1, V]: the argmax,
+        or, sampling, the draw verify_sample makes at a tree root (same Philox counters)."""
+        if self.temperature <= 0:
+            return logits[:, -1].argmax(-1)
+        return self.verify(_root_only(logits.new_zeros(logits.shape[0], dtype=torch.long)),
+                           logits).bonus
+
 
 class _RankCheckedSampler:
     """A tensor-parallel debug wrapper (DDTREE_TP_CHECK=1, ddtree.distributed.rank_check): every
@@ -168,12 +177,22 @@ class _RankCheckedSampler:
                    accept_len=verdict.accept_len, bonus=verdict.bonus)
         return verdict
 
+    def first_token(self, logits: torch.Tensor) -> torch.Tensor:
+        token = self.sampler.first_token(logits)
+        self.check(first_token=token)
+        return token
+
+
+def _root_only(tokens: torch.Tensor) -> ops.DraftTree:
+    """One-node trees [B, 1] of the given root tokens."""
+    none = torch.full((tokens.shape[0], 1), -1, dtype=torch.long, device=tokens.device)
+    return ops.DraftTree(tokens[:, None].clone(), none, none + 1, none, none,
+                         torch.ones_like(tokens))
+
 
 def root_tree(tokens: torch.Tensor, start: torch.Tensor):
     """(DraftTree, TreeVisibility) of one-node trees: the autoregressive step's 'tree'."""
-    none = torch.full((tokens.shape[0], 1), -1, dtype=torch.long, device=tokens.device)
-    tree = ops.DraftTree(tokens[:, None].clone(), none, none + 1, none, none,
-                         torch.ones_like(tokens))
+    tree = _root_only(tokens)
     return tree, ops.tree_visibility(tree.parents, tree.num_nodes, start)
 
 
@@ -420,22 +439,22 @@ def _head_shard(shard, draft_logits):
 
 
 def _tree_builder(mode: str, budget: int, budgets: torch.Tensor, shard):
-    """The round's tree step for a fixed mode, chosen once: (draft logits, bonus, valid) ->
+    """The round's tree step for a fixed mode, chosen once: (draft logits, bonus, committed_len) ->
     (tree, visibility)."""
     if mode == "tree":
-        return lambda logits, bonus, valid: ops.draft_to_tree(
-            logits, bonus, budget, valid, budgets, vocab_shard=_head_shard(shard, logits))
+        return lambda logits, bonus, committed_len: ops.draft_to_tree(
+            logits, bonus, budget, committed_len, budgets, vocab_shard=_head_shard(shard, logits))
     if mode == "chain":  # the argmax chain (no log-softmax / top-k machinery)
-        return lambda logits, bonus, valid: ops.chain_to_tree(
-            logits, bonus, valid, vocab_shard=_head_shard(shard, logits))
-    return lambda logits, bonus, valid: root_tree(bonus, valid)
+        return lambda logits, bonus, committed_len: ops.chain_to_tree(
+            logits, bonus, committed_len, vocab_shard=_head_shard(shard, logits))
+    return lambda logits, bonus, committed_len: root_tree(bonus, committed_len)
 
 
-def _verify(clock, verifier, sampler, requests, tree, vis, valid):
+def _verify(clock, verifier, sampler, requests, tree, vis, committed_len):
     """The target's side of a round: the verify pass, the walk (finished requests accept
     nothing), the stage mark, the target's commit. Returns (verdict, hidden states, the round's
     emitted rows for the host read)."""
-    logits, hidden_states = verifier.step(tree, vis, valid)
+    logits, hidden_states = verifier.step(tree, vis, committed_len)
     verdict = sampler.verify(tree, logits, verifier.vocab_shard)
     verdict = verdict._replace(accept_len=verdict.accept_len * requests.alive)
     clock.mark()
@@ -457,13 +476,13 @@ class _AutoRounds:
         self.index = {b: torch.tensor([min(c, b) for c in self.buckets], device=device)
                       for b in self.buckets}
 
-    def round(self, clock, draft, verifier, sampler, requests, valid, bonus):
+    def round(self, clock, draft, verifier, sampler, requests, committed_len, bonus):
         bucket = self.policy.choose()
         clock.mark(new_round=True)
         expected = predicted = None
         if bucket == 0:
             clock.mark()
-            tree, vis = root_tree(bonus, valid)
+            tree, vis = root_tree(bonus, committed_len)
         else:
             draft_logits = draft.step(bonus)
             clock.mark()
@@ -474,10 +493,10 @@ class _AutoRounds:
             expected = 1.0 + nodes * self.calibration.ratio()
             predicted = nodes[:, self.buckets.index(bucket)]
             tree = ops.first_nodes(full, bucket)
-            vis = ops.tree_visibility(tree.parents, tree.num_nodes, valid)
+            vis = ops.tree_visibility(tree.parents, tree.num_nodes, committed_len)
         clock.mark()
         verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree, vis,
-                                                  valid)
+                                                  committed_len)
         batch = emitted.shape[0]
         if bucket == 0:
             if getattr(self.policy, "keeps_drafter", lambda: True)():
@@ -493,7 +512,7 @@ class _AutoRounds:
         requests.take(rows[:batch], bucket, stats.predicted if stats else None)
         self.policy.observe(stats)
         clock.mark()
-        return valid + verdict.accept_len, verdict.bonus
+        return committed_len + verdict.accept_len, verdict.bonus
 
 
 @torch.no_grad()
@@ -508,7 +527,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     an autoregressive step) that maximises expected tokens per second under the measured cost
     profile of this batch size (ddtree.budget; measured on first use, before the clock starts,
     and cached on disk; or given as cost_profile; `policy` replaces the AutoBudget policy).
-    The requests share one static cache whose rows between a request's valid length and the
+    The requests share one static cache whose rows between a request's committed length and the
     tree's start row are padding (masked). A finished request stops advancing (nothing of it is
     committed any more). Returns one GenerationResult per request; streamer(request,
     new_tokens)."""
@@ -527,7 +546,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     batch, depth = len(prompts), (drafter.block_size - 1 if mode != "autoregressive" else 0)
     n = 1 if mode == "autoregressive" else depth + 1 if mode == "chain" else max(budgets) + 1
     longest = max(p.numel() for p in prompts)
-    # A request's valid rows stay below longest + max_new_tokens + depth (a round overshoots
+    # A request's committed rows stay below longest + max_new_tokens + depth (a round overshoots
     # max_new_tokens by at most depth); the tree goes on top, the drafter writes a block there.
     # Tensor-parallel target (ddtree.distributed): the draft top-k and, when greedy, the verify
     # walk's argmax over the sharded LM head.
@@ -543,8 +562,8 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
         sampler = _RankCheckedSampler(sampler, check_ranks)
     prompts = [p.to(device) for p in prompts]
     last, prompt_hidden = verifier.prefill(prompts)
-    valid = torch.tensor([p.numel() for p in prompts], device=device)
-    bonus = sampler.verify(root_tree(torch.stack([p[-1] for p in prompts]), valid)[0], last).bonus
+    committed_len = torch.tensor([p.numel() for p in prompts], device=device)
+    bonus = sampler.first_token(last)
     requests = _Requests(bonus.tolist(), max_new_tokens, set(int(t) for t in stops),
                          streamer, device)
     draft = _NoDrafter() if mode == "autoregressive" else \
@@ -559,7 +578,8 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
         auto = _AutoRounds(policy, device, shard)
         with validation(False):
             while not requests.all_finished():
-                valid, bonus = auto.round(clock, draft, verifier, sampler, requests, valid, bonus)
+                committed_len, bonus = auto.round(clock, draft, verifier, sampler, requests,
+                                                  committed_len, bonus)
         if hasattr(policy, "finish"):
             policy.finish(auto.calibration.sums.tolist())
             cost_aware.remember(policy)
@@ -572,12 +592,12 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             clock.mark(new_round=True)
             draft_logits = draft.step(bonus)
             clock.mark()
-            tree, vis = build_tree(draft_logits, bonus, valid)
+            tree, vis = build_tree(draft_logits, bonus, committed_len)
             clock.mark()
             verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree,
-                                                      vis, valid)
+                                                      vis, committed_len)
             draft.commit(hidden_states, verdict)
-            valid, bonus = valid + verdict.accept_len, verdict.bonus
+            committed_len, bonus = committed_len + verdict.accept_len, verdict.bonus
             requests.take(emitted.tolist(), 0 if auto_plain else None)  # the one host read
             clock.mark()
     if auto_plain:

@@ -36,12 +36,16 @@ def tree_visibility(
 
 def tree_attention_mask(
     parents: torch.Tensor, num_nodes: torch.Tensor, past: int, dtype: torch.dtype = torch.float32,
-    prefix_len: Optional[torch.Tensor] = None,
+    committed_len: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Additive attention mask [B, 1, N, past + N]: 0 for the `past` prefix columns (only the first
-    prefix_len[b] of them when given: a batch whose requests have fewer valid cache rows than the
-    shared tree start) and for visible tree nodes, ``torch.finfo(dtype).min`` elsewhere."""
-    return torch.ops.ddtree.tree_attention_mask(parents, num_nodes, int(past), dtype, prefix_len)
+    """Additive attention mask [B, 1, N, past + N] (spec §4): the tree block of request b occupies
+    columns [start[b], start[b] + N) (start defaults to past; values in [0, past]); columns before
+    it are the prefix, visible up to committed_len[b] when given (a batch whose requests have fewer
+    committed cache rows than the shared tree start); tree columns follow the visibility rows;
+    columns after the block are blocked (a static cache's unwritten rows). 0 visible,
+    ``torch.finfo(dtype).min`` blocked."""
+    return torch.ops.ddtree.tree_attention_mask(parents, num_nodes, int(past), dtype, committed_len,
+                                                start)
 
 
 class DraftTree(NamedTuple):
@@ -146,12 +150,12 @@ def commit_kv_(
     accepted: torch.Tensor,
     accept_len: torch.Tensor,
     layout: str = "BHSD",
-    dst_len: Optional[torch.Tensor] = None,
+    committed_len: Optional[torch.Tensor] = None,
 ) -> None:
     """In place (spec §6): cache rows past + accepted[j] move to dst + j for j < accept_len
-    (dst = dst_len[b] when given, else past_len[b]). layout "BHSD" ([B, H, S, D]) or "BSHD"; the
+    (dst = committed_len[b] when given, else past_len[b]). layout "BHSD" ([B, H, S, D]) or "BSHD"; the
     caller then sets each request's length to dst + accept_len."""
-    torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout, dst_len)
+    torch.ops.ddtree.commit_kv_(cache, past_len, accepted, accept_len, layout, committed_len)
 
 
 def commit_kv_layers_(
@@ -160,11 +164,12 @@ def commit_kv_layers_(
     accepted: torch.Tensor,
     accept_len: torch.Tensor,
     layout: str = "BHSD",
-    dst_len: Optional[torch.Tensor] = None,
+    committed_len: Optional[torch.Tensor] = None,
 ) -> None:
     """commit_kv_ on many caches of one shape, dtype and strides (the K and V of every attention
     layer) in one op call and one launch per 128 caches."""
-    torch.ops.ddtree.commit_kv_layers_(list(caches), past_len, accepted, accept_len, layout, dst_len)
+    torch.ops.ddtree.commit_kv_layers_(list(caches), past_len, accepted, accept_len, layout,
+                                       committed_len)
 
 
 def tree_topk(logits: torch.Tensor, k: int):
@@ -313,17 +318,18 @@ def attention_op_supports(device, dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def tree_attention(q, k_cache, v_cache, past_len, packed, scale: Optional[float] = None,
-                   prefix_len: Optional[torch.Tensor] = None, num_splits: Optional[int] = None):
+                   committed_len: Optional[torch.Tensor] = None, num_splits: Optional[int] = None):
     """Verify-pass attention (no dense mask): q [B, N, Hq, D] of the tree rows; k_cache / v_cache
     [B, Hkv, S, D] holding each request's prefix [0, past_len) followed by the tree rows; packed
     visibility rows [B, N, ceil(N/32)] (tree_visibility). Prefix fully visible, tree block per the
     bits; GQA; scale defaults to 1/sqrt(D). Returns [B, N, Hq, D]. CUDA: bf16 / fp16, D in
-    {64, 128, 256}, mma.sync tiles. prefix_len [B]: only the first prefix_len[b] prefix rows are
-    visible (batched caches whose requests have fewer valid rows than the shared tree start).
+    {64, 128, 256}, mma.sync tiles. committed_len [B]: only the first committed_len[b] prefix rows
+    are visible (batched caches whose requests have fewer committed rows than the shared tree
+    start).
     num_splits (CUDA kernel; the CPU path ignores it): key ranges per request computed by
     separate blocks and merged (flash-decoding); None picks from the SM count and cache length."""
     return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, past_len, packed, scale,
-                                           prefix_len, num_splits)
+                                           committed_len, num_splits)
 
 
 def draft_attention(q, k_new, v_new, k_cache, v_cache, cache_len, q_norm_weight, k_norm_weight,

@@ -62,19 +62,21 @@ def tree_visibility(
 
 def tree_attention_mask(
     parents: torch.Tensor, num_nodes: torch.Tensor, past: int, dtype: torch.dtype = torch.float32,
-    prefix_len=None,
+    committed_len=None, start=None,
 ) -> torch.Tensor:
-    """Additive mask [B, 1, N, past + N]: 0 on the (first prefix_len[b] columns of the) prefix and
-    on visible nodes, finfo.min elsewhere."""
+    """Additive mask [B, 1, N, past + N]: request b's tree block at columns [s, s + N) with
+    s = start[b] (default past); 0 on the prefix columns before s (only the first committed_len[b]
+    when given) and on visible nodes, finfo.min elsewhere (after the block too)."""
     vis = tree_visibility_bool(parents, num_nodes)
     batch, n, _ = vis.shape
-    mask = torch.zeros(batch, 1, n, past + n, dtype=dtype)
-    if prefix_len is not None:
-        for b in range(batch):
-            mask[b, :, :, int(prefix_len[b]):past] = torch.finfo(dtype).min
-    mask[:, 0, :, past:] = torch.where(
-        vis, torch.zeros((), dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
-    )
+    lowest = torch.finfo(dtype).min
+    mask = torch.full((batch, 1, n, past + n), lowest, dtype=dtype)
+    for b in range(batch):
+        s = past if start is None else int(start[b])
+        open_cols = s if committed_len is None else min(s, max(0, int(committed_len[b])))
+        mask[b, :, :, :open_cols] = 0
+        mask[b, 0, :, s:s + n] = torch.where(vis[b], torch.zeros((), dtype=dtype),
+                                             torch.tensor(lowest, dtype=dtype))
     return mask
 
 
@@ -164,7 +166,7 @@ def verify_greedy(node_tokens, parents, num_nodes, target_tokens, max_depth: int
     return accepted, lengths, bonus
 
 
-def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD", dst_len=None):
+def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD", committed_len=None):
     """spec §6 on a copy: rows past + accepted[j] -> dst + j for j < accept_len."""
     out = cache.clone()
     view = out if layout == "BHSD" else out.transpose(1, 2)
@@ -172,7 +174,7 @@ def commit_kv(cache, past_len, accepted, accept_len, layout: str = "BHSD", dst_l
     for b in range(cache.shape[0]):
         past = int(past_len[b])
         for j in range(int(accept_len[b])):
-            dst = past if dst_len is None else int(dst_len[b])
+            dst = past if committed_len is None else int(committed_len[b])
             view[b, :, dst + j] = src[b, :, past + int(accepted[b, j])]
     return out
 
@@ -430,7 +432,7 @@ def commit_recurrent(state, conv_state, slots, k, v, g, beta, conv_x, accepted, 
     return state, conv_state
 
 
-def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None, prefix_len=None):
+def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None, committed_len=None):
     """SDPA with an explicit dense mask per request: prefix [0, past) visible, tree block per the
     bool visibility [B, N, N], nothing beyond. q [B, N, Hq, D], caches [B, Hkv, S, D]."""
     batch, n, hq, d = q.shape
@@ -439,7 +441,7 @@ def tree_attention(q, k_cache, v_cache, past_len, visible, scale=None, prefix_le
     for b in range(batch):
         past = int(past_len[b])
         mask = torch.zeros(n, s, dtype=torch.bool)
-        mask[:, :past if prefix_len is None else int(prefix_len[b])] = True
+        mask[:, :past if committed_len is None else int(committed_len[b])] = True
         mask[:, past: past + n] = visible[b]
         k = k_cache[b].repeat_interleave(hq // hkv, 0)
         v = v_cache[b].repeat_interleave(hq // hkv, 0)

@@ -330,10 +330,8 @@ def block_logits(drafter, target, features: torch.Tensor, tokens: torch.Tensor,
     b, t = tokens.shape
     m, s = anchors.shape[1], drafter.block_size
     device = tokens.device
-    ctx = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))
-    block = torch.full((b, m, s), drafter.mask_token_id, dtype=torch.long, device=device)
-    block[:, :, 0] = tokens.gather(1, anchors)
-    x = target.get_input_embeddings()(block.view(b, m * s)).to(ctx.dtype)
+    ctx = drafter.context(features)
+    x = drafter.block_embeddings(target, tokens.gather(1, anchors)).view(b, m * s, -1).to(ctx.dtype)
     pos_q = (anchors[:, :, None] + torch.arange(s, device=device)).view(b, m * s)
     pos_kv = torch.cat([torch.arange(t, device=device).expand(b, t), pos_q], 1)
     rope_q, rope_kv = drafter.rotary_emb(x, pos_q), drafter.rotary_emb(x, pos_kv)
@@ -342,13 +340,8 @@ def block_logits(drafter, target, features: torch.Tensor, tokens: torch.Tensor,
     sees_block = (which[:, None] == which[None, :]).expand(b, -1, -1)
     mask = torch.cat([sees_ctx, sees_block], 2)[:, None]  # [B, 1, M*S, T + M*S]
     for layer in drafter.layers:
-        attn = layer.self_attn
-        q, k, v = attn.norm_rope(*attn.project(layer.input_layernorm(x), ctx), rope_q, rope_kv)
-        x = x + attn.attend(q, k, v, mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    hidden = drafter.norm(x).view(b, m, s, -1)[:, :, 1:]
-    head = target.get_output_embeddings()
-    return head(hidden.to(head.weight.dtype))
+        x = layer.forward_blocks(x, ctx, rope_q, rope_kv, mask)
+    return drafter.block_logits(target, x.view(b, m, s, -1)[:, :, 1:])
 
 
 def drafter_loss(drafter, target, features, tokens, anchors, gamma: float) -> torch.Tensor:

@@ -5,9 +5,9 @@ CUDA graph and replayed every round.
 
 Shapes are fixed for a whole generation: batch B, tree rows N, cache rows max_cache_len. Per round
 only buffer contents change (tree tokens, positions, packed visibility rows, parents, node counts,
-each request's valid prefix, the tree's start row = the longest valid prefix), all device tensors:
-a round reads nothing back to the host. Attention: the "ddtree" implementation runs the
-tree_attention op; any other implementation gets dense_tree_mask over the static cache. Hybrid
+each request's committed length, the tree's start row = the longest committed length), all
+device tensors: a round reads nothing back to the host. Attention: the "ddtree" implementation runs the
+tree_attention op; any other implementation gets hf.tree_mask over the static cache. Hybrid
 targets (Gated DeltaNet layers): their fixed-size conv / recurrent states are the cache's own, the
 modules run over the tree (ddtree.hybrid) and `commit` moves them along the accepted path.
 """
@@ -49,7 +49,7 @@ def _same_layout(tensors):
 
 class TargetVerifier:
     """Owns the target's static cache and the TreeBatch buffers of one generation.
-    prefill(prompts) once, then per round step(tree, vis, valid) and commit(verdict)."""
+    prefill(prompts) once, then per round step(tree, vis, committed_len) and commit(verdict)."""
 
     def __init__(self, target, *, batch: int, rows: int, max_depth: int, max_cache_len: int,
                  want_hidden: bool, cuda_graph: bool, is_hybrid: bool, vocab_shard=None):
@@ -86,7 +86,7 @@ class TargetVerifier:
                 tokens=torch.zeros(b, n, **long), positions=torch.zeros(b, n, **long),
                 parents=torch.full((b, n), -1, **long), num_nodes=torch.ones(b, **long),
                 packed=torch.zeros(b, n, (n + 31) // 32, dtype=torch.int32, device=self.device),
-                prefix=torch.zeros(b, **long), start=torch.zeros(b, **long),
+                committed_len=torch.zeros(b, **long), start=torch.zeros(b, **long),
                 max_depth=self.max_depth)
         return self.trees[n]
 
@@ -127,7 +127,7 @@ class TargetVerifier:
         if self._offsets:  # the attention layers write the tree rows at `start`
             torch._foreach_copy_(self._offsets, [t.start[0]] * len(self._offsets))
         mask = t.packed[:, None] if self.packed_mask else \
-            hf.dense_tree_mask(t, self.max_cache_len, self.dtype)
+            hf.tree_mask(t, self.max_cache_len, self.dtype)
         if self.is_hybrid:
             mask = {"full_attention": mask, "linear_attention": None}
         args = dict(input_ids=t.tokens, position_ids=t.positions, attention_mask=mask,
@@ -141,16 +141,16 @@ class TargetVerifier:
             logits = self.vocab_shard.logits(out.last_hidden_state)
         return logits, (tuple(out.hidden_states) if self.want_hidden else None)
 
-    def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, valid: torch.Tensor):
-        """Verifies `tree` (its rows go to cache rows [max(valid), max(valid) + N)); returns
-        (logits [B, N, V] — [B, N, V_local] with vocab_shard — hidden states or None),
+    def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, committed_len: torch.Tensor):
+        """Verifies `tree` (its rows go to cache rows [max(committed_len), max(committed_len) + N));
+        returns (logits [B, N, V] — [B, N, V_local] with vocab_shard — hidden states or None),
         overwritten by the next round's replay of the same N."""
         t = self.tree = self._tree_batch(tree.node_tokens.shape[1])
         for buffer, value in ((t.tokens, tree.node_tokens), (t.positions, vis.positions),
                               (t.packed, vis.packed), (t.parents, tree.parents),
-                              (t.num_nodes, tree.num_nodes), (t.prefix, valid)):
+                              (t.num_nodes, tree.num_nodes), (t.committed_len, committed_len)):
             buffer.copy_(value)
-        t.start.copy_(valid.max().expand_as(t.start))
+        t.start.copy_(committed_len.max().expand_as(t.start))
         if not self.use_graph:
             return self._forward(t)
         n = t.tokens.shape[1]
@@ -161,14 +161,14 @@ class TargetVerifier:
         return outputs
 
     def commit(self, verdict: ops.Verdict) -> None:
-        """Accepted rows move from the tree block of the last step to each request's valid
+        """Accepted rows move from the tree block of the last step to each request's committed
         prefix; GDN states move along the accepted path. The caller then adds accept_len to
-        valid."""
+        committed_len."""
         t = self.tree
         attention = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
         for group in _same_layout([x for layer in attention for x in (layer.keys, layer.values)]):
             ops.commit_kv_layers_(group, t.start, verdict.accepted, verdict.accept_len, "BHSD",
-                                  t.prefix)
+                                  t.committed_len)
         if self.is_hybrid:
             hybrid.commit(self.cache, t, verdict)
 

@@ -136,7 +136,7 @@ class DFlashAttention(nn.Module):
         """x [B, S, H] (normed block rows), ctx [B, C, H] new context rows (request b's first
         ctx_rows.new_t[b] valid, the rest padding); rope_q / rope_kv = (cos, sin) of the block rows /
         of [ctx; block]; cache_kv = (K, V) [B, Hkv, capacity, D], request b's first
-        ctx_rows.cached_t[b] rows committed. Appends the valid context rows to the cache and returns
+        ctx_rows.committed_len[b] rows committed. Appends the valid context rows to the cache and returns
         the attention output [B, S, H]. fused: one draft_attention launch; else projections,
         norm, RoPE and SDPA with a key mask (the reference path)."""
         b, s, _ = x.shape
@@ -145,12 +145,12 @@ class DFlashAttention(nn.Module):
         if fused:
             from ..ops import draft_attention
 
-            out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], ctx_rows.cached_t,
+            out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], ctx_rows.committed_len,
                                   self.q_norm.weight, self.k_norm.weight, rope_kv[0], rope_kv[1], c,
                                   self.q_norm.variance_epsilon, context_len=ctx_rows.new_t)
             return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
         q, k, v = self.norm_rope(q, k, v, rope_q, rope_kv)
-        write_context_rows(cache_kv, ctx_rows.cached_t, k[:, :, :c], v[:, :, :c])
+        write_context_rows(cache_kv, ctx_rows.committed_len, k[:, :, :c], v[:, :, :c])
         keys = torch.cat([cache_kv[0][:, :, : ctx_rows.key_rows], k[:, :, c:]], 2)
         values = torch.cat([cache_kv[1][:, :, : ctx_rows.key_rows], v[:, :, c:]], 2)
         return self.attend(q, keys, values, ctx_rows.key_mask(s))
@@ -190,11 +190,11 @@ class DFlashAttention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-def write_context_rows(cache_kv, cached_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Context rows k / v [B, Hkv, C, D] into the cache (K, V) [B, Hkv, S, D] at rows cached_t + j.
+def write_context_rows(cache_kv, committed_len: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Context rows k / v [B, Hkv, C, D] into the cache (K, V) [B, Hkv, S, D] at rows committed_len + j.
     Every row is written, padding too: padding rows lie past the request's context, are masked,
     and the next rows overwrite them."""
-    at = (cached_t[:, None] + torch.arange(k.shape[2], device=k.device))[:, None, :, None]
+    at = (committed_len[:, None] + torch.arange(k.shape[2], device=k.device))[:, None, :, None]
     for cache, new in zip(cache_kv, (k, v)):
         cache.scatter_(2, at.expand(-1, cache.shape[1], -1, cache.shape[3]), new.to(cache.dtype))
 
@@ -205,13 +205,13 @@ class ContextRows:
     unfused path attends to the first key_rows cache rows (a host int: the loop's capacity, or
     the longest context of a step driven from host lists), masked per request."""
 
-    def __init__(self, cached_t: torch.Tensor, new_t: torch.Tensor, key_rows: int):
-        self.cached_t, self.new_t, self.key_rows = cached_t, new_t, key_rows
+    def __init__(self, committed_len: torch.Tensor, new_t: torch.Tensor, key_rows: int):
+        self.committed_len, self.new_t, self.key_rows = committed_len, new_t, key_rows
 
     def key_mask(self, block_rows: int) -> torch.Tensor:
         """[B, 1, 1, key_rows + block_rows]: request b sees its cached + new rows and the block."""
-        cols = torch.arange(self.key_rows, device=self.cached_t.device)
-        valid = cols[None] < (self.cached_t + self.new_t)[:, None]
+        cols = torch.arange(self.key_rows, device=self.committed_len.device)
+        valid = cols[None] < (self.committed_len + self.new_t)[:, None]
         block = valid.new_ones(valid.shape[0], block_rows)
         return torch.cat([valid, block], 1)[:, None, None]
 
@@ -225,7 +225,20 @@ class DFlashLayer(nn.Module):
         self.mlp = Qwen3MLP(cfg)
 
     def forward(self, x, ctx, rope_q, rope_kv, cache_kv, ctx_rows, fused=False):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, cache_kv, ctx_rows, fused)
+        """A drafting step's layer: block rows x [B, S, H] attend to the cached context, the new
+        context rows ctx (appended to the cache) and their block (DFlashAttention.forward)."""
+        return self._residual(x, lambda h: self.self_attn(h, ctx, rope_q, rope_kv, cache_kv,
+                                                          ctx_rows, fused))
+
+    def forward_blocks(self, x, ctx, rope_q, rope_kv, mask):
+        """Training's layer, no cache: rows x [B, R, H] (many blocks) attend to the keys of
+        [ctx; x] where mask [B, 1, R, C + R] (True = visible) allows."""
+        attn = self.self_attn
+        return self._residual(x, lambda h: attn.attend(
+            *attn.norm_rope(*attn.project(h, ctx), rope_q, rope_kv), mask))
+
+    def _residual(self, x, attention):
+        x = x + attention(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -387,31 +400,46 @@ class DFlashDrafter(nn.Module):
         cache.reserve(rows, lambda cap: self.fc.weight.new_zeros(batch, attn.num_kv_heads, cap,
                                                                  attn.head_dim))
 
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Context rows [..., H] of target features [..., n*H] (fc + hidden norm)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def block_embeddings(self, target, first: torch.Tensor) -> torch.Tensor:
+        """Embeddings [..., block_size, H] of blocks starting with `first` [...] (the bonus
+        token) followed by mask tokens, in the target's embedding."""
+        block = first.new_full((*first.shape, self.block_size), self.mask_token_id)
+        block[..., 0] = first
+        return target.get_input_embeddings()(block)
+
+    def block_logits(self, target, x: torch.Tensor, vocab_shard=None) -> torch.Tensor:
+        """Logits [..., V] of block rows x [..., H] after the last layer (final norm, the
+        target's LM head; this rank's columns with vocab_shard)."""
+        hidden = self.norm(x)
+        if vocab_shard is not None:
+            return vocab_shard.logits(hidden)
+        head = target.get_output_embeddings()
+        return head(hidden.to(head.weight.dtype))
+
     def draft_block(self, target, bonus: torch.Tensor, ctx_in: torch.Tensor, rows: ContextRows,
                     cache: DraftCache, vocab_shard=None) -> torch.Tensor:
         """The device part of a drafter step (no host reads, fixed shapes): ctx_in [B, C, n*H]
-        padded new feature rows, rows.cached_t / rows.new_t [B] context lengths and valid new
+        padded new feature rows, rows.committed_len / rows.new_t [B] context lengths and valid new
         rows, the cache at least max(cached) + C rows long. Writes the new rows into the cache;
         returns the logits [B, block_size - 1, V] — with vocab_shard (a tensor-parallel target,
         ddtree.distributed) only this rank's columns [B, block_size - 1, V_local].
         Graph-capturable on static buffers."""
-        b, device = bonus.shape[0], bonus.device
-        ctx = self.hidden_norm(self.fc(ctx_in.to(self.fc.weight.dtype)))
+        device = bonus.device
+        ctx = self.context(ctx_in)
         c = ctx.shape[1]
-        block = torch.full((b, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
-        block[:, 0] = bonus
-        x = target.get_input_embeddings()(block).to(ctx.dtype)
-        first = (rows.cached_t + rows.new_t)[:, None]
+        x = self.block_embeddings(target, bonus).to(ctx.dtype)
+        first = (rows.committed_len + rows.new_t)[:, None]
         pos_q = first + torch.arange(self.block_size, device=device)
-        pos_ctx = rows.cached_t[:, None] + torch.arange(c, device=device)
+        pos_ctx = rows.committed_len[:, None] + torch.arange(c, device=device)
         rope_q = self.rotary_emb(x, pos_q)
         rope_kv = self.rotary_emb(x, torch.cat([pos_ctx, pos_q], 1))
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], rows, cache.fused)
-        hidden = self.norm(x[:, 1:])
-        if vocab_shard is not None:
-            return vocab_shard.logits(hidden)
-        return target.get_output_embeddings()(hidden.to(target.get_output_embeddings().weight.dtype))
+        return self.block_logits(target, x[:, 1:], vocab_shard)
 
 
 class DFlashDraftState:
@@ -468,21 +496,21 @@ class DFlashDraftState:
                 self.graph, self.logits = capture_graph(self._step)
             self.graph.replay()
             logits = self.logits
-        self.rows.cached_t += self.rows.new_t
+        self.rows.committed_len += self.rows.new_t
         return logits
 
     def _write_context(self, feats: torch.Tensor, rows) -> None:
         """Context rows straight into the cache, without drafting a block: the context keys /
         values of every draft layer depend only on the target features (k / v projections,
-        k-norm, RoPE at the rows' positions). feats [B, C, n*H] land at rows cached_t + j;
-        `rows` ([B] tensor or int) of them are real and cached_t advances by it."""
+        k-norm, RoPE at the rows' positions). feats [B, C, n*H] land at rows committed_len + j;
+        `rows` ([B] tensor or int) of them are real and committed_len advances by it."""
         drafter, ctx_rows = self.drafter, self.rows
-        ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))
-        rope = drafter.rotary_emb(ctx, ctx_rows.cached_t[:, None] +
+        ctx = drafter.context(feats)
+        rope = drafter.rotary_emb(ctx, ctx_rows.committed_len[:, None] +
                                   torch.arange(ctx.shape[1], device=ctx.device))
         for layer, kv in zip(drafter.layers, self.cache.layers):
-            write_context_rows(kv, ctx_rows.cached_t, *layer.self_attn.context_kv(ctx, rope))
-        ctx_rows.cached_t += rows
+            write_context_rows(kv, ctx_rows.committed_len, *layer.self_attn.context_kv(ctx, rope))
+        ctx_rows.committed_len += rows
 
     @torch.no_grad()
     def catch_up(self) -> None:
