@@ -181,12 +181,11 @@ class DFlashAttention(nn.Module):
         return k, self.v_proj(ctx).view(b, c, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def attend(self, q, keys, values, mask):
-        """SDPA (GQA by repeating K/V heads; mask True = visible, non-causal) + o_proj:
-        q [B, Hq, S, D], keys / values [B, Hkv, K, D] -> [B, S, H]."""
+        """SDPA (GQA: each K/V head serves its group of query heads, no copies; mask True =
+        visible, non-causal) + o_proj: q [B, Hq, S, D], keys / values [B, Hkv, K, D] -> [B, S, H]."""
         b, _, s, _ = q.shape
-        rep = self.num_heads // self.num_kv_heads
         attn = torch.nn.functional.scaled_dot_product_attention(
-            q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask)
+            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -435,8 +434,8 @@ class DFlashDrafter(nn.Module):
         first = (rows.committed_len + rows.new_t)[:, None]
         pos_q = first + torch.arange(self.block_size, device=device)
         pos_ctx = rows.committed_len[:, None] + torch.arange(c, device=device)
-        rope_q = self.rotary_emb(x, pos_q)
         rope_kv = self.rotary_emb(x, torch.cat([pos_ctx, pos_q], 1))
+        rope_q = tuple(r[:, c:] for r in rope_kv)  # the block rows' positions are its tail
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], rows, cache.fused)
         return self.block_logits(target, x[:, 1:], vocab_shard)
