@@ -218,6 +218,17 @@ TreeWalkParams TreeWalkTensors::params() const {
   return w;
 }
 
+at::Tensor optional_per_request(const char* op, const char* name,
+                                const c10::optional<at::Tensor>& t, int64_t batch,
+                                const at::Tensor& like) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  check_index_tensor(op, name, *t);
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == batch, op, ": ", name, " must have shape [B] = [",
+              batch, "], got ", t->sizes());
+  check_same_device(op, name, *t, like);
+  return as_long(*t);
+}
+
 void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
                  const char* spelled) {
   TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", spelled, " = ", shape,

@@ -42,6 +42,12 @@ void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntA
 // Index tensors as contiguous int64.
 inline at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
 
+// An optional per-request index tensor [B] on `like`'s device, as contiguous int64; undefined
+// when absent.
+at::Tensor optional_per_request(const char* op, const char* name,
+                                const c10::optional<at::Tensor>& t, int64_t batch,
+                                const at::Tensor& like);
+
 // A DraftTree's outputs (build_tree, chain_tree): int64 [B, N] rows and num_nodes [B].
 struct DraftTreeTensors {
   at::Tensor tokens, parents, depths, first_child, next_sibling, num_nodes;

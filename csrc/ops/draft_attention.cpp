@@ -59,14 +59,7 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   check_inplace_outputs(op, {{"k_cache", k_cache, false}, {"v_cache", v_cache, false}});
   const int64_t S = k_cache.size(2);
   const Tensor len = cache_len.to(at::kLong).contiguous();
-  Tensor ctx_len;
-  if (context_len.has_value() && context_len->defined()) {
-    check_index_tensor(op, "context_len", *context_len);
-    TORCH_CHECK(context_len->dim() == 1 && context_len->size(0) == B, op,
-                ": context_len must have shape [B] = [", B, "], got ", context_len->sizes());
-    check_same_device(op, "context_len", *context_len, q);
-    ctx_len = context_len->to(at::kLong).contiguous();
-  }
+  const Tensor ctx_len = optional_per_request(op, "context_len", context_len, B, q);
   if (B > 0 && should_validate_values(q)) {
     const int64_t low = len.min().item<int64_t>();
     const int64_t high = ctx_len.defined() ? (len + ctx_len).max().item<int64_t>()

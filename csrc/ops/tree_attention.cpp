@@ -57,14 +57,7 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
     TORCH_CHECK(low >= 0 && high + N <= S, op, ": past_len + N must fit the cache: past_len in [",
                 low, ", ", high, "], N = ", N, ", cache length S = ", S);
   }
-  Tensor prefix;
-  if (committed_len.has_value() && committed_len->defined()) {
-    check_index_tensor(op, "committed_len", *committed_len);
-    TORCH_CHECK(committed_len->dim() == 1 && committed_len->size(0) == B, op,
-                ": committed_len must have shape [B] = [", B, "], got ", committed_len->sizes());
-    check_same_device(op, "committed_len", *committed_len, q);
-    prefix = committed_len->to(at::kLong).contiguous();
-  }
+  const Tensor prefix = optional_per_request(op, "committed_len", committed_len, B, q);
   Tensor out = at::empty({B, N, Hq, D}, q.options());
   TreeAttentionParams p;
   p.q = qc.data_ptr();

@@ -219,13 +219,7 @@ void commit_caches(const char* op, at::TensorList caches, const Tensor& past_len
                                 {"accepted", &accepted}, {"accept_len", &accept_len}})
     check_same_device(op, name, *t, cache);
   const Tensor past = as_long(past_len), path = as_long(accepted), len = as_long(accept_len);
-  Tensor dst;
-  if (committed_len.has_value() && committed_len->defined()) {
-    check_index_tensor(op, "committed_len", *committed_len);
-    check_shape(op, "committed_len", *committed_len, {B}, "[B]");
-    check_same_device(op, "committed_len", *committed_len, cache);
-    dst = as_long(*committed_len);
-  }
+  const Tensor dst = optional_per_request(op, "committed_len", committed_len, B, cache);
   if (should_validate_values(cache)) {
     check_commit_values(op, past, path, len, S);
     if (dst.defined())

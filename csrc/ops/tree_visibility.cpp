@@ -115,15 +115,8 @@ Tensor tree_attention_mask(const Tensor& parents, const Tensor& num_nodes, int64
   p.mask_elem_bytes = static_cast<int>(c10::elementSize(dtype));
   p.mask_blocked = blocked;
   p.past = past;
-  Tensor prefix;
-  if (committed_len.has_value() && committed_len->defined()) {
-    check_index_tensor(op, "committed_len", *committed_len);
-    TORCH_CHECK(committed_len->dim() == 1 && committed_len->size(0) == B, op,
-                ": committed_len must have shape [B] = [", B, "], got ", committed_len->sizes());
-    check_same_device(op, "committed_len", *committed_len, parents);
-    prefix = committed_len->to(at::kLong).contiguous();
-    p.committed_len = prefix.data_ptr<int64_t>();
-  }
+  const Tensor prefix = optional_per_request(op, "committed_len", committed_len, B, parents);
+  if (prefix.defined()) p.committed_len = prefix.data_ptr<int64_t>();
   run<kBackend>(op, p, parents);
   return mask;
 }
