@@ -625,3 +625,52 @@ def test_budget_above_the_vocabulary():
     ids = torch.tensor([PROMPTS[2]])
     got = generate(target, tiny_drafter(), ids, 20, budget=3 * VOCAB)  # K = V, N = 289 rows
     assert got.tokens == greedy_reference(target, ids, 20)
+
+
+FIVE_PROMPTS = PROMPTS + [[3, 3, 60], [70, 2, 11, 4]]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
+def test_finished_requests_leave_the_verify_batch(kind, mode):
+    """Five requests stopping at different rounds (each on the first stop token of its own greedy
+    continuation): every request gets exactly its greedy tokens, cut at the first stop token,
+    while the verify batch shrinks to powers of two holding the live requests (5 -> 4 -> 2 ->
+    1 as they finish) — the cache rows, recurrent states, drafter contexts, per-request budgets
+    and draw counters move with their requests."""
+    from ddtree.generate import generate_batch
+
+    target = tiny_hybrid() if kind == "qwen3_5" else tiny_target(seed=3)
+    truths = [greedy_reference(target, torch.tensor([p]), 24) for p in FIVE_PROMPTS]
+    stops = [t[2 + 3 * i] for i, t in enumerate(truths[:4])]  # the fifth runs to the end
+    want = [next((t[: j + 1] for j, x in enumerate(t) if x in stops), t) for t in truths]
+    results = generate_batch(target, tiny_drafter(), FIVE_PROMPTS, 24, mode=mode,
+                             budget=[16, 8, 24, 4, 12], stop_token_ids=stops)
+    assert [r.tokens for r in results] == want
+    for r in results:
+        sizes = r.round_batch_sizes
+        assert len(sizes) == len(r.acceptance_lengths) and sizes[0] == 5
+        assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+        assert all(s == 5 or s & (s - 1) == 0 for s in sizes)
+    longest = max(results, key=lambda r: len(r.round_batch_sizes))
+    assert longest.round_batch_sizes[-1] < 5
+
+
+def test_leaving_the_batch_when_sampling_is_reproducible():
+    """Sampling: a request's draws are keyed by its seed, its draw counter and its batch row, so a
+    shrinking batch draws other (equally distributed) tokens than a static one, but the same ones
+    on every run; the stop rule cuts each request at its first stop token."""
+    from ddtree import generate as loop
+
+    target = tiny_target(seed=3)
+    truths = [greedy_reference(target, torch.tensor([p]), 20) for p in FIVE_PROMPTS]
+    stops = [truths[0][4], truths[3][9]]
+    run = lambda: loop.generate_batch(  # noqa: E731
+        target, tiny_drafter(), FIVE_PROMPTS, 20, budget=12, temperature=0.9, top_p=0.95,
+        seed=7, stop_token_ids=stops)
+    first, second = run(), run()
+    assert [r.tokens for r in first] == [r.tokens for r in second]
+    assert min(min(r.round_batch_sizes) for r in first) < 5
+    for r in first:
+        assert len(r.tokens) <= 20 and all(t not in stops for t in r.tokens[:-1])
+        assert len(r.tokens) == 20 or r.tokens[-1] in stops

@@ -46,6 +46,9 @@ class DraftState(Protocol):
     def commit(self, hidden_states, verdict: ops.Verdict) -> None:
         """Takes the round's verdict (accepted rows of the target's hidden states) into account."""
 
+    # Optional: select(index [B'] int64) keeps those batch rows, in that order (finished requests
+    # leave the batch). Without it the batch keeps its size to the end.
+
 
 class Drafter(Protocol):
     """What generate_batch needs from a drafter (DFlashDrafter is one)."""
@@ -86,6 +89,9 @@ class GenerationResult:
     # calibrated expected tokens the round would emit, predicted before it was verified.
     round_budgets: List[int] = field(default_factory=list)
     predicted_lengths: List[float] = field(default_factory=list)
+    # The verify batch of each of the request's rounds: finished requests leave the batch, which
+    # moves to the smallest power of two holding the live ones (fixed modes).
+    round_batch_sizes: List[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -155,6 +161,10 @@ class _Sampler:
         return ops.verify_sample(tree, logits, self.depth, self.temperature, self.top_k,
                                  self.top_p, self.seeds, self.offset)
 
+    def select(self, index: torch.Tensor) -> None:
+        """Keeps the batch rows `index` (each request's seed and draw counter go with it)."""
+        self.seeds, self.offset = self.seeds[index], self.offset[index]
+
     def first_token(self, logits: torch.Tensor) -> torch.Tensor:
         """The token after each prompt [B] from the prefill's last logits [B, 1, V]: the argmax,
         or, sampling, the draw verify_sample makes at a tree root (same Philox counters)."""
@@ -176,6 +186,9 @@ class _RankCheckedSampler:
         self.check(tokens=tree.node_tokens, parents=tree.parents, accepted=verdict.accepted,
                    accept_len=verdict.accept_len, bonus=verdict.bonus)
         return verdict
+
+    def select(self, index: torch.Tensor) -> None:
+        self.sampler.select(index)
 
     def first_token(self, logits: torch.Tensor) -> torch.Tensor:
         token = self.sampler.first_token(logits)
@@ -203,6 +216,9 @@ class _NoDrafter:
         return None
 
     def commit(self, hidden_states, verdict):
+        pass
+
+    def select(self, index):
         pass
 
 
@@ -357,14 +373,17 @@ def _check_request(target, drafter, prompts, max_new_tokens, mode, budget, tempe
 
 
 class _Requests:
-    """Host-side bookkeeping: each request's tokens, round lengths, streaming and stop rule; and
-    the device-side mirror of 'still generating' (alive) and tokens emitted."""
+    """Host-side bookkeeping: each request's tokens, round lengths, streaming and stop rule; the
+    batch row of each request (rows[i] = the request in row i); and the device-side mirror, per
+    row, of 'still generating' (alive) and tokens emitted."""
 
     def __init__(self, first: List[int], max_new_tokens, stops, streamer, device):
         self.tokens = [[t] for t in first]
+        self.rows = list(range(len(first)))
         self.lengths: List[List[int]] = [[] for _ in first]
         self.budgets: List[List[int]] = [[] for _ in first]
         self.predicted: List[List[float]] = [[] for _ in first]
+        self.batch_sizes: List[List[int]] = [[] for _ in first]
         self.max_new, self.stops, self.streamer = max_new_tokens, stops, streamer
         self.stops_t = torch.tensor(sorted(stops), dtype=torch.long, device=device)
         self.done = [False] * len(first)  # the request's stop rule has fired (the host side)
@@ -384,6 +403,21 @@ class _Requests:
 
     def all_finished(self) -> bool:
         return all(self.done)
+
+    def rows_to_keep(self) -> Optional[List[int]]:
+        """The rows of a smaller batch when requests have finished: the live rows, padded with
+        finished ones up to the next power of two (one shape, one captured graph, per bucket);
+        None when that bucket is not smaller than the batch."""
+        live = [i for i, b in enumerate(self.rows) if not self.done[b]]
+        size = 1 << max(len(live) - 1, 0).bit_length()
+        if size >= len(self.rows):
+            return None
+        padding = [i for i, b in enumerate(self.rows) if self.done[b]][: size - len(live)]
+        return sorted(live + padding)
+
+    def select(self, keep: List[int], index: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        self.alive, self.count = self.alive[index], self.count[index]
 
     def _stream(self, b, new):
         if self.streamer:
@@ -406,14 +440,15 @@ class _Requests:
              predicted: Optional[List[float]] = None) -> None:
         """The round's host copy of emitted(): extend, stream; with budget="auto" also the
         round's budget and each request's predicted length."""
-        for b, row in enumerate(host_rows):
+        for i, row in enumerate(host_rows):
             if row[0] == 0:  # finished before this round
                 continue
-            new = row[1: 1 + row[0]]
+            b, new = self.rows[i], row[1: 1 + row[0]]
             if bucket is not None:
                 self.budgets[b].append(bucket)
-                self.predicted[b].append(predicted[b] if predicted else 1.0)
+                self.predicted[b].append(predicted[i] if predicted else 1.0)
             self.lengths[b].append(len(new))
+            self.batch_sizes[b].append(len(host_rows))
             self.tokens[b].extend(new)
             self._stream(b, new)
             self._check_done(b, new)
@@ -421,13 +456,27 @@ class _Requests:
     def results(self, seconds: float, stages: Dict[str, float], warmup_seconds: float,
                 warmup_rounds: int) -> List[GenerationResult]:
         out = []
-        for toks, lengths, budgets, predicted in zip(self.tokens, self.lengths, self.budgets,
-                                                     self.predicted):
+        for toks, lengths, budgets, predicted, sizes in zip(
+                self.tokens, self.lengths, self.budgets, self.predicted, self.batch_sizes):
             cut = next((i + 1 for i, t in enumerate(toks) if t in self.stops), len(toks))
             out.append(GenerationResult(toks[: min(cut, self.max_new)], lengths, seconds,
                                         dict(stages), warmup_seconds, warmup_rounds, budgets,
-                                        predicted))
+                                        predicted, sizes))
         return out
+
+
+def _leave_finished(requests: _Requests, parts) -> Optional[torch.Tensor]:
+    """Finished requests leave the verify batch once the live ones fit a smaller bucket: every
+    part (draft state, verifier, sampler) keeps the chosen rows. Returns the rows' index (for the
+    loop's own per-row tensors), or None when the batch stays (or a part cannot select)."""
+    keep = requests.rows_to_keep()
+    if keep is None or not all(hasattr(p, "select") for p in parts):
+        return None
+    index = torch.tensor(keep, device=requests.alive.device)
+    for part in parts:
+        part.select(index)
+    requests.select(keep, index)
+    return index
 
 
 def _head_shard(shard, draft_logits):
@@ -600,6 +649,10 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             committed_len, bonus = committed_len + verdict.accept_len, verdict.bonus
             requests.take(emitted.tolist(), 0 if auto_plain else None)  # the one host read
             clock.mark()
+            kept = _leave_finished(requests, (draft, verifier, sampler))
+            if kept is not None and not requests.all_finished():
+                committed_len, bonus, budget_t = (t[kept] for t in (committed_len, bonus, budget_t))
+                build_tree = _tree_builder(mode, n - 1, budget_t, shard)
     if auto_plain:
         policy.record_autoregressive(len(clock.round_starts))
         cost_aware.remember(policy)

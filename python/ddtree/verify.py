@@ -90,6 +90,21 @@ class TargetVerifier:
                 max_depth=self.max_depth)
         return self.trees[n]
 
+    def select(self, index: torch.Tensor) -> None:
+        """Keeps the batch rows `index` [B'] (finished requests leave): the cache's rows and
+        states; TreeBatch buffers and CUDA graphs are made anew at the new batch size."""
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+                if hasattr(layer, "batch_size"):
+                    layer.batch_size = index.numel()
+            else:  # linear attention: fixed-size states
+                layer.conv_states[0] = layer.conv_states[0][index]
+                layer.recurrent_states[0] = layer.recurrent_states[0][index]
+        self.batch = index.numel()
+        self.trees, self.graphs = {}, {}
+        self.tree = self._tree_batch(self.n)
+
     def prefill(self, prompts):
         """Runs each prompt (1-D token tensors) through the target; fills the static cache.
         Returns (the last position's logits [B, 1, V], the hidden states of each prompt)."""

@@ -472,6 +472,20 @@ class DFlashDraftState:
         self.block_pending = False
         self.deferred, self.deferred_feats = 0, None
 
+    def select(self, index: torch.Tensor) -> None:
+        """Keeps the batch rows `index` [B'] (finished requests leave): context caches, context
+        lengths, pending features; a CUDA graph is captured anew at the new batch size."""
+        self.cache.layers = [kv if kv is None else tuple(t[index] for t in kv)
+                             for kv in self.cache.layers]
+        self.rows.committed_len, self.rows.new_t = self.rows.committed_len[index], \
+            self.rows.new_t[index]
+        self.feats, self.bonus = self.feats[index], self.bonus[index]
+        if self.prompt is not None:
+            self.prompt = self.prompt[index]
+        if self.deferred_feats is not None:
+            self.deferred_feats = self.deferred_feats[index]
+        self.graph = self.logits = None
+
     def _step(self):
         return self.drafter.draft_block(self.target, self.bonus, self.feats, self.rows, self.cache,
                                         self.vocab_shard)
