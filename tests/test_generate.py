@@ -674,3 +674,23 @@ def test_leaving_the_batch_when_sampling_is_reproducible():
     for r in first:
         assert len(r.tokens) <= 20 and all(t not in stops for t in r.tokens[:-1])
         assert len(r.tokens) == 20 or r.tokens[-1] in stops
+
+
+def test_rows_to_keep_pads_live_rows_to_a_power_of_two():
+    """Live rows kept in order, padded with the first finished rows up to the next power of two;
+    no change when that bucket is not smaller, or when nothing is live."""
+    from ddtree.generate import _Requests
+
+    requests = _Requests([1] * 8, 10, set(), None, "cpu")
+    cases = [([1, 0, 1, 1, 0, 1, 1, 0], [0, 1, 4, 7]),
+             ([1, 1, 1, 1, 1, 1, 1, 0], [7]),
+             ([0, 0, 0, 0, 0, 1, 1, 1], None),
+             ([1] * 8, None)]
+    for done, want in cases:
+        requests.done = [bool(d) for d in done]
+        assert requests.rows_to_keep() == want, done
+    requests.done = [True, False, True, False, True, True, True, True]
+    keep = requests.rows_to_keep()
+    assert keep == [1, 3]
+    requests.select(keep, torch.tensor(keep))
+    assert requests.rows == [1, 3] and requests.alive.shape == (2,)

@@ -407,10 +407,10 @@ class _Requests:
     def rows_to_keep(self) -> Optional[List[int]]:
         """The rows of a smaller batch when requests have finished: the live rows, padded with
         finished ones up to the next power of two (one shape, one captured graph, per bucket);
-        None when that bucket is not smaller than the batch."""
+        None when nothing is live or that bucket is not smaller than the batch."""
         live = [i for i, b in enumerate(self.rows) if not self.done[b]]
         size = 1 << max(len(live) - 1, 0).bit_length()
-        if size >= len(self.rows):
+        if not live or size >= len(self.rows):
             return None
         padding = [i for i, b in enumerate(self.rows) if self.done[b]][: size - len(live)]
         return sorted(live + padding)
@@ -650,7 +650,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             requests.take(emitted.tolist(), 0 if auto_plain else None)  # the one host read
             clock.mark()
             kept = _leave_finished(requests, (draft, verifier, sampler))
-            if kept is not None and not requests.all_finished():
+            if kept is not None:
                 committed_len, bonus, budget_t = (t[kept] for t in (committed_len, bonus, budget_t))
                 build_tree = _tree_builder(mode, n - 1, budget_t, shard)
     if auto_plain:
