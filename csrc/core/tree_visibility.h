@@ -28,14 +28,17 @@ struct TreeVisibilityParams {
   const int64_t* committed_len = nullptr;  // [B] visible prefix columns (<= past); null: all past
 };
 
-// Whether prefix column c (< the tree column) of request b is visible: its committed rows.
-DDTREE_HOST_DEVICE bool prefix_visible(const TreeVisibilityParams& p, int64_t b, int64_t c) {
-  return !p.committed_len || c < p.committed_len[b];
-}
+// The column segments of request b's mask rows: [0, open) the committed prefix (visible),
+// [open, tree) padding (blocked), [tree, tree + N) the tree block (visibility bits), then rows not
+// written yet (blocked). tree = start[b] clamped into [0, past] (null start: past); open =
+// committed_len[b] clamped into [0, tree] (null: tree).
+struct MaskColumns {
+  int64_t open, tree;
+};
 
-// Mask column of request b's root row: start[b] clamped into [0, past], or past.
-DDTREE_HOST_DEVICE int64_t mask_tree_column(const TreeVisibilityParams& p, int64_t b) {
-  return p.start ? clamp_index(p.start[b], 0, p.past) : p.past;
+DDTREE_HOST_DEVICE MaskColumns mask_columns(const TreeVisibilityParams& p, int64_t b) {
+  const int64_t tree = p.start ? clamp_index(p.start[b], 0, p.past) : p.past;
+  return {p.committed_len ? clamp_index(p.committed_len[b], 0, tree) : tree, tree};
 }
 
 template <class index_t>
@@ -77,13 +80,12 @@ DDTREE_HOST_DEVICE bool row_bit(const uint32_t* words, int64_t j) {
   return (words[j >> 5] >> (j & 31)) & 1u;
 }
 
-// Whether column c of request b's mask row whose visibility bits are `bits` is visible: committed
-// prefix columns before the tree column, visible nodes in the tree block, nothing after it.
-DDTREE_HOST_DEVICE bool mask_visible(const TreeVisibilityParams& p, int64_t b,
-                                     const uint32_t* bits, int64_t c) {
-  const int64_t tree = mask_tree_column(p, b);
-  if (c < tree) return prefix_visible(p, b, c);
-  return c - tree < p.n && row_bit(bits, c - tree);
+// Whether column c of a mask row with segments `m` and visibility bits `bits` (N tree rows) is
+// visible.
+DDTREE_HOST_DEVICE bool mask_visible(const MaskColumns& m, int64_t n, const uint32_t* bits,
+                                     int64_t c) {
+  if (c < m.tree) return c < m.open;
+  return c - m.tree < n && row_bit(bits, c - m.tree);
 }
 
 // Writes element `offset` of the mask: 0 where visible.

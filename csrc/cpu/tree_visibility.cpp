@@ -7,17 +7,16 @@
 namespace ddtree::cpu {
 namespace {
 
-// One additive-mask row (mask_visible by segments): zeros over the committed prefix, blocked up to
-// the tree column, 0 / blocked per tree node, blocked after the tree block.
+// One additive-mask row, written segment by segment (mask_columns; the kernel applies
+// mask_visible per element): zeros, blocked, the tree block's bits, blocked.
 template <class elem_t>
 void write_mask_row(elem_t* row, const TreeVisibilityParams& p, int64_t b, const uint32_t* bits) {
   const elem_t blocked = static_cast<elem_t>(p.mask_blocked);
-  const int64_t tree = mask_tree_column(p, b), cols = p.past + p.n;
-  const int64_t open = p.committed_len ? clamp_index(p.committed_len[b], 0, tree) : tree;
-  std::memset(row, 0, open * sizeof(elem_t));
-  for (int64_t c = open; c < tree; ++c) row[c] = blocked;
-  for (int64_t j = 0; j < p.n; ++j) row[tree + j] = row_bit(bits, j) ? elem_t(0) : blocked;
-  for (int64_t c = tree + p.n; c < cols; ++c) row[c] = blocked;
+  const MaskColumns m = mask_columns(p, b);
+  std::memset(row, 0, m.open * sizeof(elem_t));
+  std::fill(row + m.open, row + m.tree, blocked);
+  for (int64_t j = 0; j < p.n; ++j) row[m.tree + j] = row_bit(bits, j) ? elem_t(0) : blocked;
+  std::fill(row + m.tree + p.n, row + p.past + p.n, blocked);
 }
 
 template <class index_t>

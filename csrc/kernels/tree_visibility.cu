@@ -56,8 +56,9 @@ __global__ void __launch_bounds__(kVisThreads)
     if (p.mask) {
       const int64_t cols = p.past + n;
       const int64_t base = (b * n + row0) * cols;
+      const MaskColumns segments = mask_columns(p, b);
       for (FlatIndex at(tid, nthreads, cols); at.r < rows; at.next()) {
-        store_mask_value(p, base + at.k, mask_visible(p, b, bits + at.r * words, at.c));
+        store_mask_value(p, base + at.k, mask_visible(segments, n, bits + at.r * words, at.c));
       }
     }
     __syncthreads();
