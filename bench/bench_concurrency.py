@@ -9,8 +9,8 @@ round as a histogram per batch size, and its calibrated predicted vs observed to
 
 Throughput of a batch size = all requests' generated tokens / the wall time of the
 generate_batch calls (prefill included, the same for every mode); requests = max(--requests,
-batch), held-out prompts. Auto's cost profile is measured (or read from the cache) before the
-timed runs. On a GPU the same script runs unchanged (bench/gpu_check.sh calls it).
+batch), held-out prompts. Auto's cost profiles (each batch size and the smaller ones it
+shrinks to as requests finish) are measured (or read from the cache) before the timed runs. On a GPU the same script runs unchanged (bench/gpu_check.sh calls it).
 """
 import argparse
 import json
@@ -58,12 +58,16 @@ def main():
     target, drafter, tokenizer = embedded.load(dtype=dtype, device=args.device)
     texts = embedded.heldout_prompts(max(args.requests, max(args.batches)))
     prompts = [tokenizer(t, return_tensors="pt").input_ids[0].to(args.device) for t in texts]
-    profiles = {}
-    for batch in args.batches:
-        profiles[batch] = cost_aware.calibrate(target, drafter, batch)
-        print(f"cost profile, batch {batch}: " + ", ".join(
-            f"{b}: {ms:.1f} ms" for b, ms in sorted(profiles[batch].round_ms.items())),
+    # Every batch size and the smaller ones it shrinks to as requests finish.
+    sizes = sorted({s for b in args.batches for s in [b, *cost_aware.shrink_sizes(b)]})
+    measured = {}
+    for size in sizes:
+        measured[size] = cost_aware.calibrate(target, drafter, size)
+        print(f"cost profile, batch {size}: " + ", ".join(
+            f"{b}: {ms:.1f} ms" for b, ms in sorted(measured[size].round_ms.items())),
             file=sys.stderr)
+    profiles = {b: [measured[s] for s in [b, *cost_aware.shrink_sizes(b)]]
+                for b in args.batches}
     for batch in args.batches:  # warm-up: every mode once at every batch size, untimed
         for mode, budget in MODES:
             run_group(target, drafter, prompts[:batch], mode, budget, 8, profiles[batch])
@@ -141,7 +145,7 @@ def main():
             json.dump(dict(device=cost_aware.device_name(torch.device(args.device)),
                            dtype=str(dtype), torch=torch.__version__, requests=args.requests,
                            new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
-                           profiles={b: p.to_json() for b, p in profiles.items()}), f, indent=1)
+                           profiles={s: p.to_json() for s, p in measured.items()}), f, indent=1)
     if args.plot:
         plot(rows, args.batches, args.plot)
 

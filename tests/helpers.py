@@ -177,7 +177,7 @@ class ScriptedBudgets:
     and records the statistics each round hands back."""
 
     def __init__(self, sequence):
-        self.sequence, self.choices, self.stats = list(sequence), [], []
+        self.sequence, self.choices, self.stats, self.sizes = list(sequence), [], [], []
 
     def start(self, batch, depth, device):
         pass
@@ -189,6 +189,9 @@ class ScriptedBudgets:
 
     def observe(self, stats):
         self.stats.append(stats)
+
+    def resize(self, batch):
+        self.sizes.append(batch)
 
 
 # Random draft top-k inputs for build_tree: ties, -inf / NaN tails, per-request budgets.

@@ -220,3 +220,61 @@ def test_generations_that_cannot_pay_run_plain_autoregressive_and_recheck_later(
     results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto",
                              policy=cost_aware.AutoBudget(profile(costs.round_ms, 2), prior=weak))
     assert [r.tokens for r in results] == truths and set(results[0].round_budgets) == {0}
+
+
+def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
+    """Finished requests leave the batch: the policy switches to the smaller batch size's cost
+    profile (trees that did not pay at batch 4 pay at batch 1), and keeps the drafter's context
+    up to date while a smaller batch could still draft; a size without a profile keeps the
+    current one."""
+    at4 = profile({0: 10.0, 4: 60.0, 8: 70.0, 16: 80.0, 32: 90.0, 64: 100.0}, batch=4)
+    at1 = profile({0: 10.0, 4: 11.0, 8: 12.0, 16: 13.0, 32: 14.0, 64: 15.0}, batch=1)
+    policy = cost_aware.AutoBudget(at4, smaller={1: at1})
+    stats = cost_aware.RoundStats(expected=[4.0, 8.0, 9.0, 10.0, 10.0, 10.0], predicted=[2.5] * 4,
+                                  live=4)
+    alone = cost_aware.AutoBudget(at4)
+    for p in (policy, alone):
+        p.start(4, 15, "cpu")
+        p.choose()
+        p.observe(stats)
+    assert policy.choose() == 0  # 10 tokens in 80 ms < 4 tokens in 10 ms
+    assert policy.keeps_drafter()  # at batch 1 a tree would pay
+    assert not alone.keeps_drafter()  # no smaller batch's costs: no drafted round can follow
+    policy.resize(2)  # no profile of batch 2: the batch-4 costs stay
+    assert policy.profile is at4 and policy.choose() == 0
+    policy.resize(1)
+    assert policy.profile is at1
+    assert policy.choose() == 4  # per request: 2 tokens in 11 ms > 1 token in 10 ms
+
+
+def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
+    """auto_policy: with no profile given, the batch's and every smaller power of two's profile
+    are measured (or read from the cache); given profiles are used by their batch size, a single
+    one for the batch itself with the smaller sizes from the cache where measured."""
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    assert cost_aware.shrink_sizes(1) == [] and cost_aware.shrink_sizes(4) == [1, 2]
+    assert cost_aware.shrink_sizes(5) == [1, 2, 4] and cost_aware.shrink_sizes(32) == [1, 2, 4, 8, 16]
+    measured = []
+
+    def fake_calibrate(target, drafter, batch, **kwargs):
+        measured.append(batch)
+        return profile({b: float(batch + b) for b in cost_aware.BUCKETS}, batch=batch)
+
+    monkeypatch.setattr(cost_aware, "calibrate", fake_calibrate)
+    policy = cost_aware.auto_policy(target, drafter, 5)
+    assert measured == [5, 1, 2, 4]
+    assert policy.profile.batch == 5 and sorted(policy.smaller) == [1, 2, 4]
+    at2 = profile({b: 2.0 + b for b in cost_aware.BUCKETS}, batch=2)
+    at4 = profile({b: 4.0 + b for b in cost_aware.BUCKETS}, batch=4)
+    listed = cost_aware.auto_policy(target, drafter, 4, [at4, at2])
+    assert listed.profile is at4 and listed.smaller == {2: at2}
+    with pytest.raises(ValueError, match="no cost profile of batch 3"):
+        cost_aware.auto_policy(target, drafter, 3, [at4, at2])
+    cached = profile({b: 1.0 + b for b in cost_aware.BUCKETS}, batch=1)
+    cached = cost_aware.CostProfile(**{**cached.to_json(), "round_ms": cached.round_ms,
+                                       **cost_aware.profile_identity(target, drafter)})
+    cost_aware.save_profile(cached)
+    single = cost_aware.auto_policy(target, drafter, 4, at4)
+    assert single.profile is at4 and single.smaller == {1: cached}
+    assert measured == [5, 1, 2, 4]  # nothing measured when profiles are given

@@ -631,21 +631,25 @@ FIVE_PROMPTS = PROMPTS + [[3, 3, 60], [70, 2, 11, 4]]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive", "auto"])
 def test_finished_requests_leave_the_verify_batch(kind, mode):
     """Five requests stopping at different rounds (each on the first stop token of its own greedy
     continuation): every request gets exactly its greedy tokens, cut at the first stop token,
     while the verify batch shrinks to the smallest power of two holding the requests still live
     (recomputed here from the rounds each request ran) — the cache rows, recurrent states,
-    drafter contexts, per-request budgets and draw counters move with their requests."""
+    drafter contexts (deferred rows of autoregressive rounds included), per-request budgets and
+    draw counters move with their requests; budget="auto" is told each new batch size."""
     from ddtree.generate import generate_batch
 
     target = tiny_hybrid() if kind == "qwen3_5" else tiny_target(seed=3)
     truths = [greedy_reference(target, torch.tensor([p]), 24) for p in FIVE_PROMPTS]
     stops = [t[2 + 3 * i] for i, t in enumerate(truths[:4])]  # the fifth runs to the end
     want = [next((t[: j + 1] for j, x in enumerate(t) if x in stops), t) for t in truths]
-    results = generate_batch(target, tiny_drafter(), FIVE_PROMPTS, 24, mode=mode,
-                             budget=[16, 8, 24, 4, 12], stop_token_ids=stops)
+    policy = ScriptedBudgets([4, 0, 0, 16, 0, 8, 64, 0, 32])
+    kwargs = dict(budget="auto", policy=policy) if mode == "auto" else \
+        dict(mode=mode, budget=[16, 8, 24, 4, 12])
+    results = generate_batch(target, tiny_drafter(), FIVE_PROMPTS, 24, stop_token_ids=stops,
+                             **kwargs)
     assert [r.tokens for r in results] == want
     rounds = [len(r.acceptance_lengths) for r in results]
     expected, size = [], 5
@@ -657,6 +661,8 @@ def test_finished_requests_leave_the_verify_batch(kind, mode):
     for r, n in zip(results, rounds):
         assert r.round_batch_sizes == expected[:n]
     assert expected[-1] < 5
+    if mode == "auto":
+        assert policy.sizes == sorted(set(expected) - {5}, reverse=True)
 
 
 def test_leaving_the_batch_when_sampling_is_reproducible():

@@ -272,6 +272,9 @@ class AutoBudget:
     probe_after: int = 8
     max_wait: int = 256
     probe_margin: float = 0.8
+    # Cost profiles of the smaller batch sizes the batch can shrink to (finished requests leave
+    # it): batch -> profile. A size without one keeps the current profile.
+    smaller: Dict[int, CostProfile] = field(default_factory=dict)
     # What earlier generations learned (expected tokens per request per bucket, calibration
     # sums), so a new generation does not start from scratch (auto_policy keeps it per model).
     prior: Optional[dict] = None
@@ -283,9 +286,11 @@ class AutoBudget:
         self.live = self.live_at_draft = 1
 
     def start(self, batch: int, depth: int, device) -> None:
-        missing = [b for b in self.buckets if b not in self.profile.round_ms]
-        if missing:
-            raise ValueError(f"AutoBudget: the cost profile lacks buckets {missing}")
+        for profile in [self.profile, *self.smaller.values()]:
+            missing = [b for b in self.buckets if b not in profile.round_ms]
+            if missing:
+                raise ValueError(f"AutoBudget: the cost profile of batch {profile.batch} lacks "
+                                 f"buckets {missing}")
         self.batch, self.depth = batch, depth
         self.expected = self._initial_expected(batch, depth)
         self.live, self.live_at_draft = batch, batch
@@ -350,9 +355,23 @@ class AutoBudget:
 
     def keeps_drafter(self) -> bool:
         """False once no drafted round can follow in this generation (the estimate only changes
-        by drafting, and both sides scale with the live requests): the drafter's context is
-        then no longer kept up to date."""
-        return self._probe_possible(self.expected, max(1, self.live_at_draft))
+        by drafting, both sides scale with the live requests, and no smaller batch's costs let
+        a tree pay): the drafter's context is then no longer kept up to date."""
+        current = self.profile
+        try:
+            for profile in [current] + [p for b, p in self.smaller.items() if b < self.batch]:
+                self.profile = profile
+                if self._probe_possible(self.expected, max(1, self.live_at_draft)):
+                    return True
+            return False
+        finally:
+            self.profile = current
+
+    def resize(self, batch: int) -> None:
+        """Finished requests left: the verify batch is now `batch` rows, whose round costs are
+        the smaller batch's profile when there is one."""
+        self.batch = batch
+        self.profile = self.smaller.get(batch, self.profile)
 
     def record_autoregressive(self, rounds: int) -> None:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
@@ -426,17 +445,43 @@ _LEARNED = weakref.WeakKeyDictionary()  # target -> {(id(drafter), batch): AutoB
 _LEARNED_LOCK = threading.Lock()
 
 
-def auto_policy(target, drafter, batch: int, profile: Optional[CostProfile] = None) -> AutoBudget:
-    """The AutoBudget generate_batch(budget="auto") uses: the cost profile of `batch` (measured
-    on first use, cached on disk) and what earlier generations with this target and drafter
-    learned; remember(policy) stores what this one learns."""
-    profile = profile or calibrate(target, drafter, batch)
+def shrink_sizes(batch: int) -> List[int]:
+    """The batch sizes a batch of `batch` requests can shrink to as requests finish: the powers
+    of two below it (generate's rows_to_keep)."""
+    return [1 << i for i in range(max(batch - 1, 0).bit_length()) if 1 << i < batch]
+
+
+def _shared(profile: CostProfile) -> CostProfile:
     shared = _same_on_every_rank(profile.round_ms)
-    if shared != profile.round_ms:
-        profile = CostProfile(**{**asdict(profile), "round_ms": shared})
+    return profile if shared == profile.round_ms else \
+        CostProfile(**{**asdict(profile), "round_ms": shared})
+
+
+def auto_policy(target, drafter, batch: int, profile=None) -> AutoBudget:
+    """The AutoBudget generate_batch(budget="auto") uses: the cost profile of `batch` and of the
+    smaller batch sizes it shrinks to, and what earlier generations with this target and drafter
+    learned; remember(policy) stores what this one learns. `profile`: None (every size measured
+    on first use, cached on disk), a CostProfile (used for `batch`; the smaller sizes from the
+    disk cache where measured, else this one) or a sequence of profiles (by their batch)."""
+    if profile is None:
+        main = calibrate(target, drafter, batch)
+        smaller = {b: calibrate(target, drafter, b) for b in shrink_sizes(batch)}
+    else:
+        given = {profile.batch: profile} if isinstance(profile, CostProfile) else \
+            {p.batch: p for p in profile}
+        main = profile if isinstance(profile, CostProfile) else given.get(batch)
+        if main is None:
+            raise ValueError(f"auto_policy: no cost profile of batch {batch} among "
+                             f"{sorted(given)}")
+        smaller = {}
+        for b in shrink_sizes(batch):
+            found = given.get(b) or load_profile(target, drafter, b)
+            if found is not None:
+                smaller[b] = found
     with _LEARNED_LOCK:
         prior = _LEARNED.get(target, {}).get((id(drafter), batch))
-    policy = AutoBudget(profile, prior=prior)
+    policy = AutoBudget(_shared(main), prior=prior,
+                        smaller={b: _shared(p) for b, p in smaller.items()})
     policy.memory_key = (target, id(drafter), batch)
     return policy
 

@@ -90,7 +90,8 @@ class GenerationResult:
     round_budgets: List[int] = field(default_factory=list)
     predicted_lengths: List[float] = field(default_factory=list)
     # The verify batch of each of the request's rounds: finished requests leave the batch, which
-    # moves to the smallest power of two holding the live ones (fixed modes).
+    # moves to the smallest power of two holding the live ones (every mode; budget="auto" then
+    # prices its rounds with the smaller batch's cost profile).
     round_batch_sizes: List[int] = field(default_factory=list)
 
     @property
@@ -575,7 +576,9 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     per-request budgets (int or list), or budget="auto": each round verifies the tree size (or
     an autoregressive step) that maximises expected tokens per second under the measured cost
     profile of this batch size (ddtree.budget; measured on first use, before the clock starts,
-    and cached on disk; or given as cost_profile; `policy` replaces the AutoBudget policy).
+    and cached on disk, with those of the smaller batch sizes it shrinks to; or given as
+    cost_profile, one CostProfile or a sequence of them; `policy` replaces the AutoBudget
+    policy).
     The requests share one static cache whose rows between a request's committed length and the
     tree's start row are padding (masked). A finished request stops advancing (nothing of it is
     committed any more). Returns one GenerationResult per request; streamer(request,
@@ -629,6 +632,11 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             while not requests.all_finished():
                 committed_len, bonus = auto.round(clock, draft, verifier, sampler, requests,
                                                   committed_len, bonus)
+                kept = _leave_finished(requests, (draft, verifier, sampler))
+                if kept is not None:
+                    committed_len, bonus = committed_len[kept], bonus[kept]
+                    if hasattr(policy, "resize"):
+                        policy.resize(kept.numel())
         if hasattr(policy, "finish"):
             policy.finish(auto.calibration.sums.tolist())
             cost_aware.remember(policy)
