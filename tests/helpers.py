@@ -162,9 +162,9 @@ def propose(drafter, target, bonus: torch.Tensor, features, cache) -> torch.Tens
     ctx_in = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True) if max(new) > 0 \
         else feats[0].new_zeros(b, 0, feats[0].shape[-1])
     as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    rows = ContextRows(as_t(cache.lengths), as_t(new),
-                       max(c + n for c, n in zip(cache.lengths, new)))
-    drafter.reserve(cache, b, max(cache.lengths) + ctx_in.shape[1])
+    key_rows = max(c + n for c, n in zip(cache.lengths, new)) + drafter.block_size
+    rows = ContextRows(as_t(cache.lengths), as_t(new), key_rows)
+    drafter.reserve(cache, b, max(max(cache.lengths) + ctx_in.shape[1], key_rows))
     logits = drafter.draft_block(target, bonus, ctx_in, rows, cache)
     cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
     return logits

@@ -132,28 +132,31 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, ctx_rows: "ContextRows", fused=False):
+    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, step: "StepRows"):
         """x [B, S, H] (normed block rows), ctx [B, C, H] new context rows (request b's first
-        ctx_rows.new_t[b] valid, the rest padding); rope_q / rope_kv = (cos, sin) of the block rows /
-        of [ctx; block]; cache_kv = (K, V) [B, Hkv, capacity, D], request b's first
-        ctx_rows.committed_len[b] rows committed. Appends the valid context rows to the cache and returns
-        the attention output [B, S, H]. fused: one draft_attention launch; else projections,
-        norm, RoPE and SDPA with a key mask (the reference path)."""
+        step.rows.new_t[b] valid, the rest padding); rope_q / rope_kv = (cos, sin) of the block
+        rows / of [ctx; block]; cache_kv = (K, V) [B, Hkv, capacity, D], request b's first
+        step.rows.committed_len[b] rows committed. Appends the valid context rows to the cache and
+        returns the attention output [B, S, H]. Fused (step.fused): one draft_attention launch;
+        else projections, norm, RoPE, the context and block rows written into the cache where
+        `step` says, and SDPA over the cache's first key_rows rows with step.mask (the reference
+        path)."""
         b, s, _ = x.shape
         c = ctx.shape[1]
         q, k, v = self.project(x, ctx)
-        if fused:
+        rows = step.rows
+        if step.fused:
             from ..ops import draft_attention
 
-            out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], ctx_rows.committed_len,
+            out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], rows.committed_len,
                                   self.q_norm.weight, self.k_norm.weight, rope_kv[0], rope_kv[1], c,
-                                  self.q_norm.variance_epsilon, context_len=ctx_rows.new_t)
+                                  self.q_norm.variance_epsilon, context_len=rows.new_t)
             return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
         q, k, v = self.norm_rope(q, k, v, rope_q, rope_kv)
-        write_context_rows(cache_kv, ctx_rows.committed_len, k[:, :, :c], v[:, :, :c])
-        keys = torch.cat([cache_kv[0][:, :, : ctx_rows.key_rows], k[:, :, c:]], 2)
-        values = torch.cat([cache_kv[1][:, :, : ctx_rows.key_rows], v[:, :, c:]], 2)
-        return self.attend(q, keys, values, ctx_rows.key_mask(s))
+        write_rows(cache_kv, step.context_at, k[:, :, :c], v[:, :, :c])
+        write_rows(cache_kv, step.block_at, k[:, :, c:], v[:, :, c:])
+        return self.attend(q, cache_kv[0][:, :, : rows.key_rows], cache_kv[1][:, :, : rows.key_rows],
+                           step.mask)
 
     def project(self, x, ctx):
         """q [B, S, Hq, D] of the block rows x [B, S, H]; k, v [B, C + S, Hkv, D] of [ctx; x]."""
@@ -189,30 +192,53 @@ class DFlashAttention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-def write_context_rows(cache_kv, committed_len: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Context rows k / v [B, Hkv, C, D] into the cache (K, V) [B, Hkv, S, D] at rows committed_len + j.
-    Every row is written, padding too: padding rows lie past the request's context, are masked,
-    and the next rows overwrite them."""
-    at = (committed_len[:, None] + torch.arange(k.shape[2], device=k.device))[:, None, :, None]
+def rows_at(start: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, 1, count, 1] cache rows start[b] + j: a scatter index for K / V [B, Hkv, S, D]."""
+    return (start[:, None] + torch.arange(count, device=start.device))[:, None, :, None]
+
+
+def write_rows(cache_kv, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Rows k / v [B, Hkv, R, D] into the cache (K, V) [B, Hkv, S, D] at rows `at` [B, 1, R, 1]
+    (rows_at)."""
     for cache, new in zip(cache_kv, (k, v)):
         cache.scatter_(2, at.expand(-1, cache.shape[1], -1, cache.shape[3]), new.to(cache.dtype))
 
 
 class ContextRows:
-    """Where a drafter step's new context rows go (device tensors [B]): request b has cached[b]
-    rows in the cache and brings new[b] valid rows (the rest of the C rows is padding). The
-    unfused path attends to the first key_rows cache rows (a host int: the loop's capacity, or
-    the longest context of a step driven from host lists), masked per request."""
+    """Where a drafter step's new context rows go (device tensors [B]): request b has
+    committed_len[b] rows in the cache and brings new_t[b] valid rows (the rest of the C rows is
+    padding). The unfused path attends to the first key_rows cache rows (a host int: the loop's
+    capacity, or the longest context + block of a step driven from host lists), masked per
+    request."""
 
     def __init__(self, committed_len: torch.Tensor, new_t: torch.Tensor, key_rows: int):
         self.committed_len, self.new_t, self.key_rows = committed_len, new_t, key_rows
 
-    def key_mask(self, block_rows: int) -> torch.Tensor:
-        """[B, 1, 1, key_rows + block_rows]: request b sees its cached + new rows and the block."""
-        cols = torch.arange(self.key_rows, device=self.committed_len.device)
-        valid = cols[None] < (self.committed_len + self.new_t)[:, None]
-        block = valid.new_ones(valid.shape[0], block_rows)
-        return torch.cat([valid, block], 1)[:, None, None]
+    def step(self, context_rows: int, block_rows: int, fused: bool) -> "StepRows":
+        """The step's layout, made once for every layer (unfused): the C context rows (padding
+        too) land at committed_len + j, then the block's rows at committed_len + new_t + i —
+        over the padding, which lies past the request's context — so request b's keys are its
+        first committed_len + new_t + block_rows cache rows; the next step's context rows
+        overwrite the block."""
+        if fused:
+            return StepRows(self, True)
+        end = self.committed_len + self.new_t
+        cols = torch.arange(self.key_rows, device=end.device)
+        mask = (cols[None] < (end + block_rows)[:, None])[:, None, None]  # [B, 1, 1, key_rows]
+        return StepRows(self, False, rows_at(self.committed_len, context_rows),
+                        rows_at(end, block_rows), mask)
+
+
+@dataclass
+class StepRows:
+    """One drafter step's rows (ContextRows.step): the context lengths, whether the fused op
+    runs, and for the unfused path the scatter indices of the context / block rows and the key
+    mask [B, 1, 1, key_rows] (True = visible)."""
+    rows: ContextRows
+    fused: bool
+    context_at: Optional[torch.Tensor] = None
+    block_at: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
 
 
 class DFlashLayer(nn.Module):
@@ -223,11 +249,10 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, ctx_rows, fused=False):
+    def forward(self, x, ctx, rope_q, rope_kv, cache_kv, step: StepRows):
         """A drafting step's layer: block rows x [B, S, H] attend to the cached context, the new
         context rows ctx (appended to the cache) and their block (DFlashAttention.forward)."""
-        return self._residual(x, lambda h: self.self_attn(h, ctx, rope_q, rope_kv, cache_kv,
-                                                          ctx_rows, fused))
+        return self._residual(x, lambda h: self.self_attn(h, ctx, rope_q, rope_kv, cache_kv, step))
 
     def forward_blocks(self, x, ctx, rope_q, rope_kv, mask):
         """Training's layer, no cache: rows x [B, R, H] (many blocks) attend to the keys of
@@ -423,7 +448,8 @@ class DFlashDrafter(nn.Module):
                     cache: DraftCache, vocab_shard=None) -> torch.Tensor:
         """The device part of a drafter step (no host reads, fixed shapes): ctx_in [B, C, n*H]
         padded new feature rows, rows.committed_len / rows.new_t [B] context lengths and valid new
-        rows, the cache at least max(cached) + C rows long. Writes the new rows into the cache;
+        rows, the cache at least max(cached) + C and rows.key_rows rows long (key_rows covers
+        every request's context and block, unfused). Writes the new rows into the cache;
         returns the logits [B, block_size - 1, V] — with vocab_shard (a tensor-parallel target,
         ddtree.distributed) only this rank's columns [B, block_size - 1, V_local].
         Graph-capturable on static buffers."""
@@ -436,8 +462,9 @@ class DFlashDrafter(nn.Module):
         pos_ctx = rows.committed_len[:, None] + torch.arange(c, device=device)
         rope_kv = self.rotary_emb(x, torch.cat([pos_ctx, pos_q], 1))
         rope_q = tuple(r[:, c:] for r in rope_kv)  # the block rows' positions are its tail
+        step = rows.step(c, self.block_size, cache.fused)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], rows, cache.fused)
+            x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], step)
         return self.block_logits(target, x[:, 1:], vocab_shard)
 
 
@@ -521,8 +548,9 @@ class DFlashDraftState:
         ctx = drafter.context(feats)
         rope = drafter.rotary_emb(ctx, ctx_rows.committed_len[:, None] +
                                   torch.arange(ctx.shape[1], device=ctx.device))
+        at = rows_at(ctx_rows.committed_len, ctx.shape[1])
         for layer, kv in zip(drafter.layers, self.cache.layers):
-            write_context_rows(kv, ctx_rows.committed_len, *layer.self_attn.context_kv(ctx, rope))
+            write_rows(kv, at, *layer.self_attn.context_kv(ctx, rope))
         ctx_rows.committed_len += rows
 
     @torch.no_grad()
