@@ -56,7 +56,7 @@ def test_auto_policy_is_lossless_and_follows_the_costs(kind, costs, expect):
     ever return -> autoregressive rounds only (no draft step at all)."""
     target, drafter = make_target(kind), tiny_drafter()
     truths = [greedy_reference(target, torch.tensor([p]), 24) for p in PROMPTS[:2]]
-    policy = cost_aware.AutoBudget(profile(costs, batch=2))
+    policy = cost_aware.AutoBudget(profile(costs, batch=2), learn_costs=False)
     results = generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=policy)
     assert [r.tokens for r in results] == truths
     drafted = sum(1 for b in policy.choices if b > 0)
@@ -105,10 +105,11 @@ def test_deferred_context_equals_drafted_context():
 
 
 def test_policy_choices_and_probes():
-    """argmax of expected tokens per ms; a probe after `probe_after` autoregressive rounds when
-    the estimate is close to paying, waiting twice as long after a probe that did not pay."""
+    """argmax of expected tokens per ms; while autoregressive rounds win, a probe after
+    `probe_after` of them, the wait doubling after each probe that does not pay, up to
+    `max_wait`, and back to `probe_after` after one that pays."""
     costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
-    policy = cost_aware.AutoBudget(costs, probe_after=2, probe_margin=0.8)
+    policy = cost_aware.AutoBudget(costs, probe_after=2, max_wait=6)
     policy.start(1, 15, "cpu")
     assert policy.choose() > 0  # the prior (3 tokens a drafted round) pays here
     # 2.8 tokens at budget 16 for 25 ms beats 1 token per 10 ms and the other sizes.
@@ -118,21 +119,21 @@ def test_policy_choices_and_probes():
         policy.choose()
     assert policy.choices[-1] == 16
     policy.observe(stats)
-    # Estimates that no longer pay, but within the margin: autoregressive, then a probe.
+    # Estimates that no longer pay: autoregressive rounds, then a probe of the best tree.
     weak = cost_aware.RoundStats(expected=[1.0, 1.5, 1.7, 2.1, 2.2, 2.3], predicted=[2.1], live=1)
     for _ in range(4):
         policy.observe(weak)
-    assert policy.choose() == 0
-    policy.observe(None)
-    assert policy.choose() == 0
-    policy.observe(None)
-    assert policy.choose() == 16 and policy.reasons[-1] == "probe"
-    policy.observe(weak)  # the probe did not pay: wait 4 rounds now
-    picks = []
-    for _ in range(5):
+    picks, probes = [], 0
+    for _ in range(18):
         picks.append(policy.choose())
-        policy.observe(None if picks[-1] == 0 else weak)
-    assert picks == [0, 0, 0, 0, 16]
+        if picks[-1]:
+            probes += 1
+        # The third probe pays (2.8 tokens at 16 for 25 ms), the blend with the weak estimate
+        # does not (2.45 tokens): autoregressive again, the next probe after probe_after rounds.
+        policy.observe(None if picks[-1] == 0 else stats if probes == 3 else weak)
+    # Waits of 2, then 4, then 6 (max_wait) autoregressive rounds between probes, then 2.
+    assert picks == [0, 0, 16, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 16, 0, 0, 16]
+    assert [r for r, b in zip(policy.reasons[-18:], picks) if b] == ["probe"] * 4
     assert "autoregressive" in policy.explain() or "trees of" in policy.explain()
 
 
@@ -193,53 +194,46 @@ def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
     assert abs(mean_p - mean_o) <= 0.1 * mean_o
 
 
-def test_generations_that_cannot_pay_run_plain_autoregressive_and_recheck_later():
-    """Learned estimates far below paying: the next generations skip the drafter entirely (plain
-    autoregressive decoding), and every REFRESH_AFTER-th one drafts again to re-check; inside a
-    generation the drafter's context stops being maintained once no drafted round can follow."""
-    costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
+def test_only_costs_that_can_never_pay_make_a_generation_plain_autoregressive():
+    """Weak learned estimates do not switch the drafter off for a whole generation (the
+    drafter's confidence changes with the text): the generation starts autoregressive and probes
+    after probe_after rounds. Only costs at which no tree could pay even with every node
+    accepted — at this batch size and every smaller one it can shrink to — make the generation
+    plain autoregressive decoding."""
+    costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0}, batch=2)
     weak = {"expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "calibration": [1.0, 2.0]}
-    policy = cost_aware.AutoBudget(costs, prior=weak)
-    assert policy.plain_autoregressive(4, 15)
-    policy.record_autoregressive(30)
-    assert policy.learned["plain_runs"] == 1 and policy.choices == [0] * 30
-    assert "autoregressive rounds in 30 of 30 rounds" in policy.explain()
-    stale = cost_aware.AutoBudget(costs, prior={**weak, "plain_runs": policy.REFRESH_AFTER})
-    assert not stale.plain_autoregressive(4, 15)
-    stale.start(4, 15, "cpu")
-    assert stale.keeps_drafter() and stale.choose() > 0 and stale.reasons[-1] == "re-check"
-    stale.observe(cost_aware.RoundStats(expected=[4 * e for e in weak["expected_per_request"]],
-                                        predicted=[1.2] * 4, live=4))
-    assert stale.keeps_drafter() is False and stale.choose() == 0
-    never = cost_aware.AutoBudget(profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}))
-    assert never.plain_autoregressive(4, 15)
-    never.record_autoregressive(3)
-    assert "autoregressive rounds in 3 of 3 rounds" in never.explain()
     target, drafter = tiny_target(seed=3), tiny_drafter()
-    truths = [greedy_reference(target, torch.tensor([p]), 16) for p in PROMPTS[:2]]
-    results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto",
-                             policy=cost_aware.AutoBudget(profile(costs.round_ms, 2), prior=weak))
-    assert [r.tokens for r in results] == truths and set(results[0].round_budgets) == {0}
+    truths = [greedy_reference(target, torch.tensor([p]), 24) for p in PROMPTS[:2]]
+    policy = cost_aware.AutoBudget(costs, prior=weak)
+    assert not policy.plain_autoregressive(2, drafter.block_size - 1)
+    results = generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=policy)
+    assert [r.tokens for r in results] == truths
+    assert policy.choices[: policy.probe_after] == [0] * policy.probe_after
+    assert policy.choices[policy.probe_after] > 0 and policy.reasons[policy.probe_after] == "probe"
+    never = profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, batch=2)
+    plain = cost_aware.AutoBudget(never, prior=weak)
+    assert plain.plain_autoregressive(2, 15)
+    results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto", policy=plain)
+    assert [r.tokens for r in results] == [t[:16] for t in truths]
+    assert set(results[0].round_budgets) == {0} and set(plain.choices) == {0}
+    assert "autoregressive rounds in" in plain.explain()
+    cheap_alone = profile({0: 1.0, 4: 1.5, 8: 2.0, 16: 2.5, 32: 3.0, 64: 4.0}, batch=1)
+    assert not cost_aware.AutoBudget(never, smaller={1: cheap_alone}).plain_autoregressive(2, 15)
 
 
 def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
     """Finished requests leave the batch: the policy switches to the smaller batch size's cost
-    profile (trees that did not pay at batch 4 pay at batch 1), and keeps the drafter's context
-    up to date while a smaller batch could still draft; a size without a profile keeps the
-    current one."""
+    profile (trees that did not pay at batch 4 pay at batch 1); a size without a profile keeps
+    the current one."""
     at4 = profile({0: 10.0, 4: 60.0, 8: 70.0, 16: 80.0, 32: 90.0, 64: 100.0}, batch=4)
     at1 = profile({0: 10.0, 4: 11.0, 8: 12.0, 16: 13.0, 32: 14.0, 64: 15.0}, batch=1)
     policy = cost_aware.AutoBudget(at4, smaller={1: at1})
     stats = cost_aware.RoundStats(expected=[4.0, 8.0, 9.0, 10.0, 10.0, 10.0], predicted=[2.5] * 4,
                                   live=4)
-    alone = cost_aware.AutoBudget(at4)
-    for p in (policy, alone):
-        p.start(4, 15, "cpu")
-        p.choose()
-        p.observe(stats)
+    policy.start(4, 15, "cpu")
+    policy.choose()
+    policy.observe(stats)
     assert policy.choose() == 0  # 10 tokens in 80 ms < 4 tokens in 10 ms
-    assert policy.keeps_drafter()  # at batch 1 a tree would pay
-    assert not alone.keeps_drafter()  # no smaller batch's costs: no drafted round can follow
     policy.resize(2)  # no profile of batch 2: the batch-4 costs stay
     assert policy.profile is at4 and policy.choose() == 0
     policy.resize(1)
@@ -278,3 +272,68 @@ def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
     single = cost_aware.auto_policy(target, drafter, 4, at4)
     assert single.profile is at4 and single.smaller == {1: cached}
     assert measured == [5, 1, 2, 4]  # nothing measured when profiles are given
+
+
+def test_round_cost_counts_the_rounds_of_the_whole_batch(monkeypatch, tmp_path):
+    """A round's cost is the call's time after its warm-up over the rounds the loop ran — those
+    of its longest request, not of the first one; calibration's requests share one prompt, so
+    every timed round is a round of the whole batch."""
+    from ddtree.generate import GenerationResult
+
+    short = GenerationResult([1] * 10, [1] * 10, 1.0, warmup_seconds=0.1, warmup_rounds=1)
+    long = GenerationResult([1] * 20, [1] * 20, 1.0, warmup_seconds=0.1, warmup_rounds=1)
+    assert cost_aware.FixedBucket.ms_per_round([short, long]) == pytest.approx(900 / 19)
+    assert cost_aware.FixedBucket.ms_per_round(short) == pytest.approx(900 / 9)
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    import ddtree.generate as loop
+
+    sizes, real = [], loop.generate_batch
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        sizes.extend(s for r in out for s in r.round_batch_sizes)
+        return out
+
+    monkeypatch.setattr(loop, "generate_batch", recording)
+    cost_aware.calibrate(tiny_target(seed=3), tiny_drafter(), 3, rounds=2, repeats=1,
+                         progress=False)
+    assert sizes and set(sizes) == {3}
+
+
+def test_round_costs_follow_the_measured_round_times():
+    """observe_cost: a bucket's cost becomes the profile's times a running ratio of measured to
+    profiled time; buckets that have not run take the mean ratio of those that have; the choice
+    follows (trees profiled as paying, measured at about 3x their profile, stop paying). The loop
+    reports warm rounds only: every reported bucket ran before at that batch size."""
+    costs = profile({0: 10.0, 4: 12.0, 8: 13.0, 16: 14.0, 32: 15.0, 64: 16.0})
+    policy = cost_aware.AutoBudget(costs, cost_smoothing=0.5)
+    policy.start(1, 15, "cpu")
+    assert policy.cost(16) == 14.0 and policy.choose() > 0
+    policy.observe(cost_aware.RoundStats(expected=[1.0, 1.8, 2.0, 2.2, 2.3, 2.4],
+                                         predicted=[2.2], live=1))
+    policy.observe_cost(0, 12.0)
+    assert policy.cost(0) == pytest.approx(12.0) and policy.cost(16) == pytest.approx(14.0 * 1.2)
+    for _ in range(6):
+        policy.observe_cost(16, 42.0)
+    assert policy.cost(16) == pytest.approx(42.0, rel=0.03)
+    assert policy.cost(64) == pytest.approx(16.0 * (1.2 + policy.cost_ratio[16]) / 2)
+    for _ in range(6):
+        policy.observe_cost(4, 36.0)
+    assert policy.choose() == 0
+    fixed = cost_aware.AutoBudget(costs, learn_costs=False)
+    fixed.start(1, 15, "cpu")
+    fixed.observe_cost(16, 42.0)
+    assert fixed.cost(16) == 14.0
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    seen = []
+
+    class Recording(ScriptedBudgets):
+        def observe_cost(self, bucket, ms):
+            seen.append((len(self.choices) - 1, bucket, ms))
+
+    rec = Recording([0, 4, 4, 0, 16, 4, 16, 16, 0])
+    generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=rec)
+    assert seen and all(ms > 0 for _, _, ms in seen)
+    for i, bucket, _ in seen:
+        assert i > 0 and bucket in rec.choices[:i]
+        assert bucket == 0 or sum(1 for b in rec.choices[: i + 1] if b) > 2

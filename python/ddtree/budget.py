@@ -159,9 +159,10 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
               use_cache: bool = True) -> CostProfile:
     """The cost profile of `batch` requests: for each bucket, `repeats` short greedy generations
     of random prompts in which every round verifies that bucket (the loop of budget="auto"),
-    timed after their warm-up; the fastest repeat counts. Cached on disk per architecture (target
-    and drafter) / device / dtype / library version / batch size (use_cache=False measures
-    again)."""
+    timed after their warm-up; the buckets interleaved within each repeat (the order alternating,
+    so a slow spell of the machine hits every bucket alike) and the fastest repeat counts. Cached
+    on disk per architecture (target and drafter) / device / dtype / library version / batch
+    size (use_cache=False measures again)."""
     if use_cache:
         cached = load_profile(target, drafter, batch)
         if cached is not None and set(buckets) <= set(cached.round_ms):
@@ -171,26 +172,28 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     started = time.perf_counter()
     vocab = target.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (prompt_len,), generator=g) for _ in range(batch)]
+    # One prompt for every request: they accept the same tokens and finish in the same round,
+    # so every timed round is a round of the whole batch (none leaves it early).
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=g)] * batch
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(buckets) * repeats, desc=f"ddtree calibrate (batch {batch})",
                    leave=False, file=None)
-    round_ms = {}
-    for bucket in buckets:
-        best = math.inf
-        for _ in range(repeats):
+    buckets = list(buckets)
+    round_ms = {bucket: math.inf for bucket in buckets}
+    for repeat in range(repeats):
+        for bucket in (buckets if repeat % 2 == 0 else buckets[::-1]):
             policy = FixedBucket(bucket)
             out = generate_batch(target, drafter, prompts, (rounds + 2) * (1 + min(bucket, 1) * 3),
                                  budget="auto", policy=policy)
-            best = min(best, policy.ms_per_round(out[0]))
+            round_ms[bucket] = min(round_ms[bucket], policy.ms_per_round(out))
             if bar is not None:
                 bar.update(1)
+    for bucket, best in round_ms.items():
         if not math.isfinite(best):
             raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
-        round_ms[bucket] = best
     if bar is not None:
         bar.close()
     round_ms = _same_on_every_rank(round_ms)
@@ -250,36 +253,47 @@ class FixedBucket:
         pass
 
     @staticmethod
-    def ms_per_round(result) -> float:
-        rounds = len(result.acceptance_lengths) - result.warmup_rounds
+    def ms_per_round(results) -> float:
+        """Milliseconds per round after the warm-up of one generate_batch call (its results):
+        the loop runs until its longest request is done, so its rounds are that request's."""
+        results = results if isinstance(results, (list, tuple)) else [results]
+        rounds = max(len(r.acceptance_lengths) for r in results) - results[0].warmup_rounds
         if rounds <= 0:
             return math.inf
-        return 1e3 * (result.seconds - result.warmup_seconds) / rounds
+        return 1e3 * (results[0].seconds - results[0].warmup_seconds) / rounds
 
 
 @dataclass
 class AutoBudget:
     """Chooses each round's bucket: argmax over buckets of (summed expected tokens of the live
     requests) / round cost. The expected tokens are a running average of the last drafted
-    rounds' calibrated predictions (a round's bucket is chosen before its draft exists). While
-    autoregressive rounds win, a drafted round is tried again after `probe_after` rounds,
-    doubling after each probe that does not pay (up to `max_wait`), and only while the last
-    estimate is within `probe_margin` of paying; never when no bucket could pay even if every
-    node were accepted."""
+    rounds' calibrated predictions (a round's bucket is chosen before its draft exists, and an
+    autoregressive round tells nothing about the draft). So while autoregressive rounds win, a
+    drafted round (a probe) is tried after `probe_after` rounds, the wait doubling after each
+    probe that does not pay, up to `max_wait` rounds: the drafter's confidence changes with the
+    text, and a bounded wait bounds what the probes cost when drafting never pays. No drafted
+    round at all while no bucket could pay even if every node were accepted."""
     profile: Optional[CostProfile] = None
     buckets: Sequence[int] = BUCKETS
     smoothing: float = 0.5
     probe_after: int = 8
-    max_wait: int = 256
-    probe_margin: float = 0.8
+    max_wait: int = 64
+    # Round costs corrected by the rounds' own wall time (observe_cost): the profile is measured
+    # on short contexts at one moment; real rounds run on longer contexts and a machine whose
+    # speed drifts. cost(b) = profile cost * a running ratio of measured to profiled time.
+    learn_costs: bool = True
+    cost_smoothing: float = 0.25
     # Cost profiles of the smaller batch sizes the batch can shrink to (finished requests leave
     # it): batch -> profile. A size without one keeps the current profile.
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
     # What earlier generations learned (expected tokens per request per bucket, calibration
-    # sums), so a new generation does not start from scratch (auto_policy keeps it per model).
+    # sums): the first decision of a new generation starts from it (auto_policy keeps it per
+    # target, drafter and batch size).
     prior: Optional[dict] = None
     choices: List[int] = field(default_factory=list)
     reasons: List[str] = field(default_factory=list)
+
+    PRIOR_TOKENS = 3.0  # tokens a drafted round is assumed to emit before anything is learned
 
     def __post_init__(self):
         self.expected: Optional[List[float]] = None
@@ -292,97 +306,78 @@ class AutoBudget:
                 raise ValueError(f"AutoBudget: the cost profile of batch {profile.batch} lacks "
                                  f"buckets {missing}")
         self.batch, self.depth = batch, depth
-        self.expected = self._initial_expected(batch, depth)
+        per_request = (self.prior or {}).get("expected_per_request") or \
+            [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets]
+        self.expected = [e * batch for e in per_request]
         self.live, self.live_at_draft = batch, batch
         self.wait, self.since_draft = self.probe_after, 0
+        self.cost_ratio: Dict[int, float] = {}
 
     def calibration_prior(self) -> Optional[List[float]]:
         return self.prior.get("calibration") if self.prior else None
 
     def finish(self, calibration_sums: List[float]) -> dict:
         """At the end of a generation: what the next one may start from."""
-        learned = dict(calibration=list(calibration_sums), plain_runs=0)
+        learned = dict(calibration=list(calibration_sums))
         if self.expected is not None:
             learned["expected_per_request"] = [e / max(1, self.live_at_draft) for e in self.expected]
-        elif self.prior:
-            learned["expected_per_request"] = self.prior.get("expected_per_request")
         self.learned = learned
         return learned
 
     def never_drafts(self, depth: int) -> bool:
         """True when no bucket could beat an autoregressive round even if every draft node were
-        accepted. Both sides scale with the live requests, so this holds for a whole generation:
-        it then runs as plain autoregressive decoding (no drafter work at all)."""
-        ar_rate = self.rate(0, 1.0)
-        return not any(self.rate(b, 1.0 + min(b, depth)) > ar_rate for b in self.buckets if b > 0)
-
-    REFRESH_AFTER = 16  # plain autoregressive generations before the drafter is tried again
-    PRIOR_TOKENS = 3.0  # tokens a drafted round is assumed to emit before anything is learned
-
-    def _initial_expected(self, batch: int, depth: int) -> Optional[List[float]]:
-        """Summed expected tokens per bucket before this generation's first draft: what earlier
-        generations learned, else PRIOR_TOKENS a round (fewer for tiny trees); None when a
-        re-check is due (the first round then drafts)."""
-        prior = self.prior or {}
-        if prior.get("plain_runs", 0) >= self.REFRESH_AFTER:
-            return None
-        per_request = prior.get("expected_per_request") or \
-            [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets]
-        return [e * batch for e in per_request]
-
-    def _probe_possible(self, expected: Optional[List[float]], live: float) -> bool:
-        """Whether a drafted round could come within probe_margin of an autoregressive one."""
-        if expected is None:
-            return True
-        drafted = self._best(expected, True)
-        return self.rate(drafted, expected[self.buckets.index(drafted)]) >= \
-            self.probe_margin * self.rate(0, live)
-
-    def plain_autoregressive(self, batch: int, depth: int) -> bool:
-        """Whether a whole generation should run as plain autoregressive decoding (no drafter
-        work): when no tree could pay even with every node accepted, or when the expected gains
-        (learned by earlier generations, else the prior) put every tree below probe_margin of
-        paying; every REFRESH_AFTER-th such generation drafts again to re-check."""
-        if self.never_drafts(depth):
-            self.plain_reason = "no tree could pay even if every node were accepted"
-            return True
-        initial = self._initial_expected(batch, depth)
-        if initial is not None and not self._probe_possible(initial, batch):
-            self.plain_reason = "expected gains: no tree comes close to paying"
-            self.expected, self.live_at_draft = initial, batch  # what explain() reports
-            return True
-        return False
-
-    def keeps_drafter(self) -> bool:
-        """False once no drafted round can follow in this generation (the estimate only changes
-        by drafting, both sides scale with the live requests, and no smaller batch's costs let
-        a tree pay): the drafter's context is then no longer kept up to date."""
+        accepted, at this batch size and every smaller one it can shrink to. Both sides scale
+        with the live requests, so this holds for a whole generation: it then runs as plain
+        autoregressive decoding (no drafter work at all)."""
         current = self.profile
         try:
-            for profile in [current] + [p for b, p in self.smaller.items() if b < self.batch]:
+            for profile in [current, *self.smaller.values()]:
                 self.profile = profile
-                if self._probe_possible(self.expected, max(1, self.live_at_draft)):
-                    return True
-            return False
+                if any(self.rate(b, 1.0 + min(b, depth)) > self.rate(0, 1.0)
+                       for b in self.buckets if b > 0):
+                    return False
+            return True
         finally:
             self.profile = current
 
-    def resize(self, batch: int) -> None:
-        """Finished requests left: the verify batch is now `batch` rows, whose round costs are
-        the smaller batch's profile when there is one."""
-        self.batch = batch
-        self.profile = self.smaller.get(batch, self.profile)
+    def plain_autoregressive(self, batch: int, depth: int) -> bool:
+        """Whether a whole generation runs as plain autoregressive decoding (never_drafts)."""
+        return self.never_drafts(depth)
 
     def record_autoregressive(self, rounds: int) -> None:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
         self.choices += [0] * rounds
-        self.reasons += [getattr(self, "plain_reason", "plain autoregressive")] * rounds
+        self.reasons += ["no tree could pay even if every node were accepted"] * rounds
         self.learned = dict(self.prior or {})
-        self.learned["plain_runs"] = self.learned.get("plain_runs", 0) + 1
+
+    def resize(self, batch: int) -> None:
+        """Finished requests left: the verify batch is now `batch` rows, whose round costs are
+        the smaller batch's profile when there is one (its measured corrections start anew)."""
+        self.batch = batch
+        if batch in self.smaller:
+            self.profile = self.smaller[batch]
+            self.cost_ratio = {}
+
+    def observe_cost(self, bucket: int, ms: float) -> None:
+        """The wall time of a round of `bucket` (the generate loop reports rounds without a
+        warm-up or graph capture in them): updates that bucket's measured / profiled ratio."""
+        if not self.learn_costs or not ms > 0:
+            return
+        ratio = ms / max(1e-9, self.profile.round_ms[bucket])
+        old = self.cost_ratio.get(bucket)
+        a = self.cost_smoothing
+        self.cost_ratio[bucket] = ratio if old is None else a * ratio + (1 - a) * old
+
+    def cost(self, bucket: int) -> float:
+        """Milliseconds of a round of `bucket`: the profile's, times the bucket's measured ratio
+        (or, before the bucket has run, the mean ratio of those that have)."""
+        ratios = getattr(self, "cost_ratio", {})
+        ratio = ratios.get(bucket, sum(ratios.values()) / len(ratios) if ratios else 1.0)
+        return self.profile.round_ms[bucket] * ratio
 
     def rate(self, bucket: int, tokens: float) -> float:
         """Tokens per millisecond of a round of `bucket` emitting `tokens`."""
-        return tokens / max(1e-9, self.profile.round_ms[bucket])
+        return tokens / max(1e-9, self.cost(bucket))
 
     def _best(self, expected, drafted_only=False) -> int:
         rates = [(self.rate(b, e), b) for b, e in zip(self.buckets, expected)
@@ -395,16 +390,11 @@ class AutoBudget:
         ar_rate = self.rate(0, live)
         if not any(self.rate(b, o) > ar_rate for b, o in zip(self.buckets, optimistic) if b):
             choice, why = 0, "no tree could pay even if every node were accepted"
-        elif self.expected is None:
-            prior = [live * min(1.0 + min(b, self.depth), self.PRIOR_TOKENS) for b in self.buckets]
-            choice, why = self._best(prior, True), "re-check"
         else:
             expected = [e * live / max(1, self.live_at_draft) for e in self.expected]
             choice, why = self._best(expected), "best expected tokens/s"
-            drafted = self._best(expected, True)
-            if choice == 0 and self.since_draft >= self.wait and \
-                    self._probe_possible(self.expected, max(1, self.live_at_draft)):
-                choice, why = drafted, "probe"
+            if choice == 0 and self.since_draft >= self.wait:
+                choice, why = self._best(expected, True), "probe"
         self.choices.append(choice)
         self.reasons.append(why)
         return choice
@@ -416,8 +406,7 @@ class AutoBudget:
             return
         self.live = self.live_at_draft = stats.live
         a = self.smoothing
-        self.expected = list(stats.expected) if self.expected is None else \
-            [a * new + (1 - a) * old for new, old in zip(stats.expected, self.expected)]
+        self.expected = [a * new + (1 - a) * old for new, old in zip(stats.expected, self.expected)]
         if self.reasons[-1] == "probe":
             paid = self._best(stats.expected) != 0
             self.wait = self.probe_after if paid else min(self.max_wait, 2 * self.wait)
@@ -433,7 +422,7 @@ class AutoBudget:
         per_request = [1.0 if b == 0 else (e / max(1, self.live_at_draft) if self.expected
                                            else float("nan"))
                        for b, e in zip(self.buckets, self.expected or [0.0] * len(self.buckets))]
-        parts = [f"{b}: {t:.2f} tok / {self.profile.round_ms[b]:.1f} ms"
+        parts = [f"{b}: {t:.2f} tok / {self.cost(b):.1f} ms"
                  for b, t in zip(self.buckets, per_request)]
         label = "autoregressive rounds" if top == 0 else f"trees of {top} nodes"
         return (f"auto chose {label} in {counts[top]} of {len(self.choices)} rounds: most tokens "

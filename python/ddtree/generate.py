@@ -525,6 +525,19 @@ class _AutoRounds:
         self.calibration = cost_aware.Calibration(device, sums=prior)
         self.index = {b: torch.tensor([min(c, b) for c in self.buckets], device=device)
                       for b in self.buckets}
+        # Rounds timed for the policy (observe_cost) leave out warm-ups: the generation's first
+        # round, a bucket's first round at the current batch size (allocations, the verifier's
+        # graph capture) and the first two drafted ones there (the drafter's prompt pass and
+        # graph capture).
+        self.warm: set = set()
+        self.rounds = self.drafted = 0
+
+    def resized(self) -> None:
+        self.warm, self.drafted = set(), 0
+
+    def _timed(self, bucket: int) -> bool:
+        """Whether the round just run (counted) is timed."""
+        return self.rounds > 1 and bucket in self.warm and (bucket == 0 or self.drafted > 2)
 
     def round(self, clock, draft, verifier, sampler, requests, committed_len, bonus):
         bucket = self.policy.choose()
@@ -549,8 +562,7 @@ class _AutoRounds:
                                                   committed_len)
         batch = emitted.shape[0]
         if bucket == 0:
-            if getattr(self.policy, "keeps_drafter", lambda: True)():
-                draft.defer(hidden_states)
+            draft.defer(hidden_states)
         else:
             draft.commit(hidden_states, verdict)
             self.calibration.update(predicted * (verdict.accept_len > 0), verdict.accept_len)
@@ -560,6 +572,10 @@ class _AutoRounds:
         stats = None if bucket == 0 else \
             cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch)
         requests.take(rows[:batch], bucket, stats.predicted if stats else None)
+        self.rounds, self.drafted = self.rounds + 1, self.drafted + (bucket > 0)
+        if self._timed(bucket) and hasattr(self.policy, "observe_cost"):
+            self.policy.observe_cost(bucket, 1e3 * (time.perf_counter() - clock.round_starts[-1]))
+        self.warm.add(bucket)
         self.policy.observe(stats)
         clock.mark()
         return committed_len + verdict.accept_len, verdict.bonus
@@ -635,6 +651,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                 kept = _leave_finished(requests, (draft, verifier, sampler))
                 if kept is not None:
                     committed_len, bonus = committed_len[kept], bonus[kept]
+                    auto.resized()
                     if hasattr(policy, "resize"):
                         policy.resize(kept.numel())
         if hasattr(policy, "finish"):
