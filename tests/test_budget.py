@@ -109,7 +109,7 @@ def test_policy_choices_and_probes():
     `probe_after` of them, the wait doubling after each probe that does not pay, up to
     `max_wait`, and back to `probe_after` after one that pays."""
     costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
-    policy = cost_aware.AutoBudget(costs, probe_after=2, max_wait=6)
+    policy = cost_aware.AutoBudget(costs, probe_after=2, max_wait=6, probe_overhead=1.0)
     policy.start(1, 15, "cpu")
     assert policy.choose() > 0  # the prior (3 tokens a drafted round) pays here
     # 2.8 tokens at budget 16 for 25 ms beats 1 token per 10 ms and the other sizes.
@@ -135,6 +135,20 @@ def test_policy_choices_and_probes():
     assert picks == [0, 0, 16, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 16, 0, 0, 16]
     assert [r for r, b in zip(policy.reasons[-18:], picks) if b] == ["probe"] * 4
     assert "autoregressive" in policy.explain() or "trees of" in policy.explain()
+    # Probes dear next to a decoding step: a tree of 16 costs 1.5 autoregressive rounds more, so
+    # with probe_overhead 0.05 the first wait is >= 1.5 / 0.2 rounds and the longest >= 1.5 / 0.05.
+    dear = cost_aware.AutoBudget(costs, probe_after=2, max_wait=6)
+    dear.start(1, 15, "cpu")
+    for _ in range(4):
+        dear.choose()
+        dear.observe(weak)
+    picks = []
+    for _ in range(100):
+        picks.append(dear.choose())
+        dear.observe(None if picks[-1] == 0 else weak)
+    # Waits of max(wait, 8): 8, 8 (4), 8, 16, then 30 (not max_wait = 6).
+    assert [i for i, b in enumerate(picks) if b] == [8, 17, 26, 43, 74]
+    assert dear._longest_wait(16) == 30
 
 
 def test_cost_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
@@ -198,8 +212,8 @@ def test_only_costs_that_can_never_pay_make_a_generation_plain_autoregressive():
     """Weak learned estimates do not switch the drafter off for a whole generation (the
     drafter's confidence changes with the text): the generation starts autoregressive and probes
     after probe_after rounds. Only costs at which no tree could pay even with every node
-    accepted — at this batch size and every smaller one it can shrink to — make the generation
-    plain autoregressive decoding."""
+    accepted at this batch size make the generation plain autoregressive decoding (with the
+    round costs earlier generations measured)."""
     costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0}, batch=2)
     weak = {"expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "calibration": [1.0, 2.0]}
     target, drafter = tiny_target(seed=3), tiny_drafter()
@@ -217,8 +231,10 @@ def test_only_costs_that_can_never_pay_make_a_generation_plain_autoregressive():
     assert [r.tokens for r in results] == [t[:16] for t in truths]
     assert set(results[0].round_budgets) == {0} and set(plain.choices) == {0}
     assert "autoregressive rounds in" in plain.explain()
-    cheap_alone = profile({0: 1.0, 4: 1.5, 8: 2.0, 16: 2.5, 32: 3.0, 64: 4.0}, batch=1)
-    assert not cost_aware.AutoBudget(never, smaller={1: cheap_alone}).plain_autoregressive(2, 15)
+    # What earlier generations measured counts: trees profiled as paying, measured at 10x.
+    measured = {0: 1.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0}
+    learned = cost_aware.AutoBudget(costs, prior={"cost_ratios": {2: measured}})
+    assert learned.plain_autoregressive(2, 15)
 
 
 def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
@@ -303,7 +319,8 @@ def test_round_cost_counts_the_rounds_of_the_whole_batch(monkeypatch, tmp_path):
 def test_round_costs_follow_the_measured_round_times():
     """observe_cost: a bucket's cost becomes the profile's times a running ratio of measured to
     profiled time; buckets that have not run take the mean ratio of those that have; the choice
-    follows (trees profiled as paying, measured at about 3x their profile, stop paying). The loop
+    follows (trees profiled as paying, measured at about 3x their profile, stop paying), and the
+    next generation starts from the measured costs. The loop
     reports warm rounds only: every reported bucket ran before at that batch size."""
     costs = profile({0: 10.0, 4: 12.0, 8: 13.0, 16: 14.0, 32: 15.0, 64: 16.0})
     policy = cost_aware.AutoBudget(costs, cost_smoothing=0.5)
@@ -316,10 +333,13 @@ def test_round_costs_follow_the_measured_round_times():
     for _ in range(6):
         policy.observe_cost(16, 42.0)
     assert policy.cost(16) == pytest.approx(42.0, rel=0.03)
-    assert policy.cost(64) == pytest.approx(16.0 * (1.2 + policy.cost_ratio[16]) / 2)
+    assert policy.cost(64) == pytest.approx(16.0 * (1.2 + policy.cost_ratios[1][16]) / 2)
     for _ in range(6):
         policy.observe_cost(4, 36.0)
     assert policy.choose() == 0
+    after = cost_aware.AutoBudget(costs, prior=policy.finish([1.0, 1.0]))  # the next generation
+    after.start(1, 15, "cpu")
+    assert after.cost(16) == policy.cost(16) and after.cost(0) == policy.cost(0)
     fixed = cost_aware.AutoBudget(costs, learn_costs=False)
     fixed.start(1, 15, "cpu")
     fixed.observe_cost(16, 42.0)

@@ -7,13 +7,15 @@ expected tokens per second, autoregressive decoding included.
   maps the drafter's predicted acceptance to the observed one: decayed sums of predicted and
   accepted nodes, updated from every verdict on the device.
 - Measured cost: `CostProfile` holds the milliseconds of one round of each bucket on this
-  device / dtype / architecture / batch size, measured by `calibrate` (a few short generations, the same
-  loop the real rounds run) and cached on disk (`ddtree calibrate` prints and plots it).
+  device / dtype / architecture / batch size, measured by `calibrate` (a few short generations,
+  the same loop the real rounds run) and cached on disk (`ddtree calibrate` prints and plots
+  it); while decoding, each round's wall time corrects its bucket's cost
+  (`AutoBudget.observe_cost`).
 - The policy: `AutoBudget` picks, once per round from the round's one host read, the bucket
   maximising sum of expected emitted tokens / round cost; bucket 0 is an autoregressive round
-  (no draft step; the drafter's context is kept up to date by `defer` / `catch_up`). Each
-  request's tree is the best n-node prefix of one tree built at the next bucket up (whose
-  expected gain the next decision sees).
+  (no draft step; the drafter's context is kept up to date by `defer` / `catch_up`), with a
+  drafted probe after a bounded, growing wait. Each request's tree is the best n-node prefix of
+  one tree built at the next bucket up (whose expected gain the next decision sees).
 """
 from __future__ import annotations
 
@@ -283,6 +285,9 @@ class AutoBudget:
     # speed drifts. cost(b) = profile cost * a running ratio of measured to profiled time.
     learn_costs: bool = True
     cost_smoothing: float = 0.25
+    # A probe that does not pay costs its round minus an autoregressive one; the longest wait
+    # grows past max_wait until that is at most this fraction of the wait's rounds.
+    probe_overhead: float = 0.05
     # Cost profiles of the smaller batch sizes the batch can shrink to (finished requests leave
     # it): batch -> profile. A size without one keeps the current profile.
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
@@ -296,8 +301,13 @@ class AutoBudget:
     PRIOR_TOKENS = 3.0  # tokens a drafted round is assumed to emit before anything is learned
 
     def __post_init__(self):
-        self.expected: Optional[List[float]] = None
-        self.live = self.live_at_draft = 1
+        # Expected tokens per live request per bucket: a running average over drafted rounds.
+        self.per_request: Optional[List[float]] = None
+        self.live = 1
+        # batch size -> bucket -> measured / profiled round time (earlier generations' too)
+        self.cost_ratios: Dict[int, Dict[int, float]] = {
+            int(b): {int(k): v for k, v in r.items()}
+            for b, r in ((self.prior or {}).get("cost_ratios") or {}).items()}
 
     def start(self, batch: int, depth: int, device) -> None:
         for profile in [self.profile, *self.smaller.values()]:
@@ -306,39 +316,29 @@ class AutoBudget:
                 raise ValueError(f"AutoBudget: the cost profile of batch {profile.batch} lacks "
                                  f"buckets {missing}")
         self.batch, self.depth = batch, depth
-        per_request = (self.prior or {}).get("expected_per_request") or \
-            [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets]
-        self.expected = [e * batch for e in per_request]
-        self.live, self.live_at_draft = batch, batch
+        self.per_request = list((self.prior or {}).get("expected_per_request") or
+                                [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets])
+        self.live = batch
         self.wait, self.since_draft = self.probe_after, 0
-        self.cost_ratio: Dict[int, float] = {}
 
     def calibration_prior(self) -> Optional[List[float]]:
         return self.prior.get("calibration") if self.prior else None
 
     def finish(self, calibration_sums: List[float]) -> dict:
         """At the end of a generation: what the next one may start from."""
-        learned = dict(calibration=list(calibration_sums))
-        if self.expected is not None:
-            learned["expected_per_request"] = [e / max(1, self.live_at_draft) for e in self.expected]
+        learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios)
+        if self.per_request is not None:
+            learned["expected_per_request"] = list(self.per_request)
         self.learned = learned
         return learned
 
     def never_drafts(self, depth: int) -> bool:
         """True when no bucket could beat an autoregressive round even if every draft node were
-        accepted, at this batch size and every smaller one it can shrink to. Both sides scale
-        with the live requests, so this holds for a whole generation: it then runs as plain
-        autoregressive decoding (no drafter work at all)."""
-        current = self.profile
-        try:
-            for profile in [current, *self.smaller.values()]:
-                self.profile = profile
-                if any(self.rate(b, 1.0 + min(b, depth)) > self.rate(0, 1.0)
-                       for b in self.buckets if b > 0):
-                    return False
-            return True
-        finally:
-            self.profile = current
+        accepted (at this batch size, with what earlier generations measured). Both sides scale
+        with the live requests: the generation then runs as plain autoregressive decoding (no
+        drafter work at all; the batch still shrinks as requests finish)."""
+        return not any(self.rate(b, 1.0 + min(b, depth)) > self.rate(0, 1.0)
+                       for b in self.buckets if b > 0)
 
     def plain_autoregressive(self, batch: int, depth: int) -> bool:
         """Whether a whole generation runs as plain autoregressive decoding (never_drafts)."""
@@ -354,24 +354,23 @@ class AutoBudget:
         """Finished requests left: the verify batch is now `batch` rows, whose round costs are
         the smaller batch's profile when there is one (its measured corrections start anew)."""
         self.batch = batch
-        if batch in self.smaller:
-            self.profile = self.smaller[batch]
-            self.cost_ratio = {}
+        self.profile = self.smaller.get(batch, self.profile)
 
     def observe_cost(self, bucket: int, ms: float) -> None:
         """The wall time of a round of `bucket` (the generate loop reports rounds without a
         warm-up or graph capture in them): updates that bucket's measured / profiled ratio."""
         if not self.learn_costs or not ms > 0:
             return
+        ratios = self.cost_ratios.setdefault(self.profile.batch, {})
         ratio = ms / max(1e-9, self.profile.round_ms[bucket])
-        old = self.cost_ratio.get(bucket)
+        old = ratios.get(bucket)
         a = self.cost_smoothing
-        self.cost_ratio[bucket] = ratio if old is None else a * ratio + (1 - a) * old
+        ratios[bucket] = ratio if old is None else a * ratio + (1 - a) * old
 
     def cost(self, bucket: int) -> float:
         """Milliseconds of a round of `bucket`: the profile's, times the bucket's measured ratio
-        (or, before the bucket has run, the mean ratio of those that have)."""
-        ratios = getattr(self, "cost_ratio", {})
+        at this batch size (or, before the bucket has run, the mean ratio of those that have)."""
+        ratios = self.cost_ratios.get(self.profile.batch, {}) if self.learn_costs else {}
         ratio = ratios.get(bucket, sum(ratios.values()) / len(ratios) if ratios else 1.0)
         return self.profile.round_ms[bucket] * ratio
 
@@ -391,25 +390,42 @@ class AutoBudget:
         if not any(self.rate(b, o) > ar_rate for b, o in zip(self.buckets, optimistic) if b):
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
-            expected = [e * live / max(1, self.live_at_draft) for e in self.expected]
+            expected = [e * live for e in self.per_request]
             choice, why = self._best(expected), "best expected tokens/s"
-            if choice == 0 and self.since_draft >= self.wait:
+            if choice == 0 and self.since_draft >= max(self.wait, self._least_wait(expected)):
                 choice, why = self._best(expected, True), "probe"
         self.choices.append(choice)
         self.reasons.append(why)
         return choice
+
+    def _probe_extra(self, bucket: int) -> float:
+        """A probe's round of `bucket` beyond an autoregressive round, in autoregressive rounds."""
+        return max(0.0, self.cost(bucket) - self.cost(0)) / max(1e-9, self.cost(0))
+
+    def _longest_wait(self, bucket: int) -> int:
+        """max_wait rounds, or more when a probe of `bucket` costs more than probe_overhead of
+        that many autoregressive rounds."""
+        return max(self.max_wait, math.ceil(self._probe_extra(bucket) / self.probe_overhead))
+
+    def _least_wait(self, expected) -> int:
+        """The first wait: probe_after rounds, or more when a probe costs more than 4 *
+        probe_overhead of them (probes are dear next to a decoding step at large batches)."""
+        probe = self._best(expected, True)
+        return max(self.probe_after, math.ceil(self._probe_extra(probe) / (4 * self.probe_overhead)))
 
     def observe(self, stats: Optional[RoundStats]) -> None:
         """After each round: the round's statistics (None for an autoregressive round)."""
         if stats is None:
             self.since_draft += 1
             return
-        self.live = self.live_at_draft = stats.live
+        self.live = stats.live
         a = self.smoothing
-        self.expected = [a * new + (1 - a) * old for new, old in zip(stats.expected, self.expected)]
+        self.per_request = [a * new / max(1, stats.live) + (1 - a) * old
+                            for new, old in zip(stats.expected, self.per_request)]
         if self.reasons[-1] == "probe":
             paid = self._best(stats.expected) != 0
-            self.wait = self.probe_after if paid else min(self.max_wait, 2 * self.wait)
+            self.wait = self.probe_after if paid else \
+                min(self._longest_wait(self.choices[-1]), 2 * self.wait)
         self.since_draft = 0
 
     def explain(self) -> str:
@@ -419,9 +435,7 @@ class AutoBudget:
             return "no round ran"
         counts = {b: self.choices.count(b) for b in self.buckets if b in self.choices}
         top = max(counts, key=counts.get)
-        per_request = [1.0 if b == 0 else (e / max(1, self.live_at_draft) if self.expected
-                                           else float("nan"))
-                       for b, e in zip(self.buckets, self.expected or [0.0] * len(self.buckets))]
+        per_request = self.per_request or [1.0] + [float("nan")] * (len(self.buckets) - 1)
         parts = [f"{b}: {t:.2f} tok / {self.cost(b):.1f} ms"
                  for b, t in zip(self.buckets, per_request)]
         label = "autoregressive rounds" if top == 0 else f"trees of {top} nodes"
