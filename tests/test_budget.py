@@ -181,7 +181,9 @@ def test_learned_state_carries_over_between_generations(monkeypatch):
     second = cost_aware.auto_policy(target, drafter, 1, cheap)
     assert second.prior == first.learned and second.prior["expected_per_request"]
     second.start(1, drafter.block_size - 1, "cpu")
-    assert second.choose() > 0 and second.reasons[-1] == "best expected tokens/s"
+    assert second.per_request == first.learned["expected_per_request"]
+    assert second.cost_ratios == first.cost_ratios and second.cost(4) == first.cost(4)
+    assert second.calibration_prior() == first.learned["calibration"]
 
 
 def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
@@ -252,8 +254,13 @@ def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
     assert policy.choose() == 0  # 10 tokens in 80 ms < 4 tokens in 10 ms
     policy.resize(2)  # no profile of batch 2: the batch-4 costs stay
     assert policy.profile is at4 and policy.choose() == 0
+    policy.observe_cost(0, 20.0)  # measured at batch 4: twice the profile
     policy.resize(1)
     assert policy.profile is at1
+    assert policy.cost(0) == 20.0 and policy.cost(4) == 22.0  # the batch-4 ratio stands in
+    policy.observe_cost(0, 10.0)
+    assert policy.cost(0) == pytest.approx(17.5)
+    policy.cost_ratios[1] = {}
     assert policy.choose() == 4  # per request: 2 tokens in 11 ms > 1 token in 10 ms
 
 

@@ -288,6 +288,10 @@ class AutoBudget:
     # A probe that does not pay costs its round minus an autoregressive one; the longest wait
     # grows past max_wait until that is at most this fraction of the wait's rounds.
     probe_overhead: float = 0.05
+    # A tree is chosen only when its expected rate beats an autoregressive round's by this
+    # factor: the estimate comes from earlier rounds, and rounds are drafted exactly when it is
+    # high, so near the break-even point the realised gain is below the estimate.
+    hurdle: float = 1.1
     # Cost profiles of the smaller batch sizes the batch can shrink to (finished requests leave
     # it): batch -> profile. A size without one keeps the current profile.
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
@@ -352,9 +356,14 @@ class AutoBudget:
 
     def resize(self, batch: int) -> None:
         """Finished requests left: the verify batch is now `batch` rows, whose round costs are
-        the smaller batch's profile when there is one (its measured corrections start anew)."""
+        the smaller batch's profile when there is one."""
+        before = self.profile.batch
         self.batch = batch
         self.profile = self.smaller.get(batch, self.profile)
+        # Until this size's own rounds are timed, the larger batch's measured ratios stand in
+        # (same generation, same contexts).
+        for bucket, ratio in self.cost_ratios.get(before, {}).items():
+            self.cost_ratios.setdefault(self.profile.batch, {}).setdefault(bucket, ratio)
 
     def observe_cost(self, bucket: int, ms: float) -> None:
         """The wall time of a round of `bucket` (the generate loop reports rounds without a
@@ -379,9 +388,12 @@ class AutoBudget:
         return tokens / max(1e-9, self.cost(bucket))
 
     def _best(self, expected, drafted_only=False) -> int:
-        rates = [(self.rate(b, e), b) for b, e in zip(self.buckets, expected)
-                 if b > 0 or not drafted_only]
-        return max(rates)[1]
+        """The bucket of most expected tokens per ms; a tree only when it beats an
+        autoregressive round by `hurdle` (drafted_only: the best tree)."""
+        best = max((self.rate(b, e), b) for b, e in zip(self.buckets, expected) if b > 0)
+        if drafted_only or best[0] >= self.hurdle * self.rate(0, expected[0]):
+            return best[1]
+        return 0
 
     def choose(self) -> int:
         live = max(1, self.live)
