@@ -210,33 +210,39 @@ def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
     assert abs(mean_p - mean_o) <= 0.1 * mean_o
 
 
-def test_only_costs_that_can_never_pay_make_a_generation_plain_autoregressive():
-    """Weak learned estimates do not switch the drafter off for a whole generation (the
-    drafter's confidence changes with the text): the generation starts autoregressive and probes
-    after probe_after rounds. Only costs at which no tree could pay even with every node
-    accepted at this batch size make the generation plain autoregressive decoding (with the
-    round costs earlier generations measured)."""
-    costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0}, batch=2)
+def test_when_a_whole_generation_runs_plain_autoregressive():
+    """At batch 1 weak learned estimates do not switch the drafter off for a generation (a
+    request's gains swing with its prompt): it starts autoregressive and probes after
+    probe_after rounds. At batch >= 2 they do (a batch's estimate averages its requests), and
+    every REFRESH_AFTER-th such generation drafts again. Costs at which no tree could pay even
+    with every node accepted — as profiled, or as earlier generations measured them — make any
+    generation plain."""
     weak = {"expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "calibration": [1.0, 2.0]}
     target, drafter = tiny_target(seed=3), tiny_drafter()
     truths = [greedy_reference(target, torch.tensor([p]), 24) for p in PROMPTS[:2]]
-    policy = cost_aware.AutoBudget(costs, prior=weak)
-    assert not policy.plain_autoregressive(2, drafter.block_size - 1)
-    results = generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=policy)
-    assert [r.tokens for r in results] == truths
+    alone = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0}, batch=1)
+    policy = cost_aware.AutoBudget(alone, prior=weak, learn_costs=False)
+    assert not policy.plain_autoregressive(1, drafter.block_size - 1)
+    results = generate_batch(target, drafter, PROMPTS[:1], 24, budget="auto", policy=policy)
+    assert [r.tokens for r in results] == truths[:1]
     assert policy.choices[: policy.probe_after] == [0] * policy.probe_after
     assert policy.choices[policy.probe_after] > 0 and policy.reasons[policy.probe_after] == "probe"
-    never = profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, batch=2)
-    plain = cost_aware.AutoBudget(never, prior=weak)
+    pair = profile(alone.round_ms, batch=2)
+    plain = cost_aware.AutoBudget(pair, prior=weak)
     assert plain.plain_autoregressive(2, 15)
     results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto", policy=plain)
     assert [r.tokens for r in results] == [t[:16] for t in truths]
     assert set(results[0].round_budgets) == {0} and set(plain.choices) == {0}
-    assert "autoregressive rounds in" in plain.explain()
+    assert set(plain.reasons) == {"learned expected gains: no tree comes close to paying"}
+    assert plain.learned["plain_runs"] == 1 and "autoregressive rounds in" in plain.explain()
+    due = {**weak, "plain_runs": cost_aware.AutoBudget.REFRESH_AFTER}
+    assert not cost_aware.AutoBudget(pair, prior=due).plain_autoregressive(2, 15)
+    never = profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, batch=1)
+    assert cost_aware.AutoBudget(never).plain_autoregressive(1, 15)
     # What earlier generations measured counts: trees profiled as paying, measured at 10x.
     measured = {0: 1.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0}
-    learned = cost_aware.AutoBudget(costs, prior={"cost_ratios": {2: measured}})
-    assert learned.plain_autoregressive(2, 15)
+    learned = cost_aware.AutoBudget(alone, prior={"cost_ratios": {1: measured}})
+    assert learned.plain_autoregressive(1, 15)
 
 
 def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
@@ -295,6 +301,9 @@ def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
     single = cost_aware.auto_policy(target, drafter, 4, at4)
     assert single.profile is at4 and single.smaller == {1: cached}
     assert measured == [5, 1, 2, 4]  # nothing measured when profiles are given
+    assert single.learn_costs  # one process: round times correct the costs
+    monkeypatch.setattr(cost_aware, "_world_size", lambda: 2)
+    assert not cost_aware.auto_policy(target, drafter, 4, at4).learn_costs  # tensor parallel
 
 
 def test_round_cost_counts_the_rounds_of_the_whole_batch(monkeypatch, tmp_path):

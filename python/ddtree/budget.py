@@ -207,6 +207,12 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     return profile
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _same_on_every_rank(round_ms: Dict[int, float]) -> Dict[int, float]:
     """Under torch.distributed (a tensor-parallel target) every rank must take the same bucket
     each round: rank 0's measurement is used everywhere."""
@@ -281,8 +287,9 @@ class AutoBudget:
     probe_after: int = 8
     max_wait: int = 64
     # Round costs corrected by the rounds' own wall time (observe_cost): the profile is measured
-    # on short contexts at one moment; real rounds run on longer contexts and a machine whose
-    # speed drifts. cost(b) = profile cost * a running ratio of measured to profiled time.
+    # on short contexts at one moment; real rounds run on other contexts and a machine whose
+    # speed drifts. cost(b) = profile cost * a running ratio of measured to profiled time. Off
+    # under tensor parallelism (auto_policy): each rank's clock would choose differently.
     learn_costs: bool = True
     cost_smoothing: float = 0.25
     # A probe that does not pay costs its round minus an autoregressive one; the longest wait
@@ -292,6 +299,9 @@ class AutoBudget:
     # factor: the estimate comes from earlier rounds, and rounds are drafted exactly when it is
     # high, so near the break-even point the realised gain is below the estimate.
     hurdle: float = 1.1
+    # Whole generations run plain autoregressive on learned gains (plain_autoregressive).
+    plain_margin: float = 0.8
+    plain_min_batch: int = 2
     # Cost profiles of the smaller batch sizes the batch can shrink to (finished requests leave
     # it): batch -> profile. A size without one keeps the current profile.
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
@@ -329,10 +339,13 @@ class AutoBudget:
         return self.prior.get("calibration") if self.prior else None
 
     def finish(self, calibration_sums: List[float]) -> dict:
-        """At the end of a generation: what the next one may start from."""
+        """At the end of a generation: what the next one may start from (the expected gains
+        averaged with what earlier generations learned)."""
         learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios)
         if self.per_request is not None:
-            learned["expected_per_request"] = list(self.per_request)
+            before = (self.prior or {}).get("expected_per_request")
+            learned["expected_per_request"] = list(self.per_request) if not before else \
+                [(a + b) / 2 for a, b in zip(self.per_request, before)]
         self.learned = learned
         return learned
 
@@ -344,15 +357,36 @@ class AutoBudget:
         return not any(self.rate(b, 1.0 + min(b, depth)) > self.rate(0, 1.0)
                        for b in self.buckets if b > 0)
 
+    REFRESH_AFTER = 8  # plain generations on learned gains before one drafts again
+
     def plain_autoregressive(self, batch: int, depth: int) -> bool:
-        """Whether a whole generation runs as plain autoregressive decoding (never_drafts)."""
-        return self.never_drafts(depth)
+        """Whether a whole generation runs as plain autoregressive decoding: when no tree could
+        pay even with every node accepted (never_drafts), or — batches of at least
+        `plain_min_batch` requests — when the expected gains learned by earlier generations at
+        this batch size put every tree below `plain_margin` of an autoregressive round (every
+        REFRESH_AFTER-th such generation drafts again to re-check). A single request's gains
+        swing with its prompt (tree 16 on the held-out prompts: 1.4 to 8.6 tokens a round), so
+        at batch 1 one generation says little about the next and probes decide instead; a
+        batch's estimate averages its requests."""
+        if self.never_drafts(depth):
+            self.plain_reason = "no tree could pay even if every node were accepted"
+            return True
+        prior = self.prior or {}
+        learned = prior.get("expected_per_request")
+        if batch >= self.plain_min_batch and learned and \
+                prior.get("plain_runs", 0) < self.REFRESH_AFTER:
+            best = max(self.rate(b, e) for b, e in zip(self.buckets, learned) if b > 0)
+            if best < self.plain_margin * self.rate(0, 1.0):
+                self.plain_reason = "learned expected gains: no tree comes close to paying"
+                return True
+        return False
 
     def record_autoregressive(self, rounds: int) -> None:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
         self.choices += [0] * rounds
-        self.reasons += ["no tree could pay even if every node were accepted"] * rounds
+        self.reasons += [self.plain_reason] * rounds
         self.learned = dict(self.prior or {})
+        self.learned["plain_runs"] = self.learned.get("plain_runs", 0) + 1
 
     def resize(self, batch: int) -> None:
         """Finished requests left: the verify batch is now `batch` rows, whose round costs are
@@ -495,7 +529,9 @@ def auto_policy(target, drafter, batch: int, profile=None) -> AutoBudget:
                 smaller[b] = found
     with _LEARNED_LOCK:
         prior = _LEARNED.get(target, {}).get((id(drafter), batch))
-    policy = AutoBudget(_shared(main), prior=prior,
+    # Under tensor parallelism every rank must take the same bucket each round: round times
+    # measured on each rank would differ, so the shared profile is used as measured.
+    policy = AutoBudget(_shared(main), prior=prior, learn_costs=_world_size() == 1,
                         smaller={b: _shared(p) for b, p in smaller.items()})
     policy.memory_key = (target, id(drafter), batch)
     return policy
