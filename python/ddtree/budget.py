@@ -278,9 +278,11 @@ class AutoBudget:
     rounds' calibrated predictions (a round's bucket is chosen before its draft exists, and an
     autoregressive round tells nothing about the draft). So while autoregressive rounds win, a
     drafted round (a probe) is tried after `probe_after` rounds, the wait doubling after each
-    probe that does not pay, up to `max_wait` rounds: the drafter's confidence changes with the
-    text, and a bounded wait bounds what the probes cost when drafting never pays. No drafted
-    round at all while no bucket could pay even if every node were accepted."""
+    probe that does not pay, up to `max_wait` rounds (more where a probe costs many decoding
+    steps, `probe_overhead`): the drafter's confidence changes with the text, and a bounded wait
+    bounds what the probes cost when drafting never pays. A tree must beat an autoregressive
+    round by `hurdle`. No drafted round at all while no bucket could pay even if every node were
+    accepted; whole generations are plain autoregressive by plain_autoregressive's rule."""
     profile: Optional[CostProfile] = None
     buckets: Sequence[int] = BUCKETS
     smoothing: float = 0.5
@@ -306,8 +308,8 @@ class AutoBudget:
     # it): batch -> profile. A size without one keeps the current profile.
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
     # What earlier generations learned (expected tokens per request per bucket, calibration
-    # sums): the first decision of a new generation starts from it (auto_policy keeps it per
-    # target, drafter and batch size).
+    # sums, measured cost ratios, plain generations in a row): a new generation starts from it
+    # (auto_policy keeps it per target, drafter and batch size).
     prior: Optional[dict] = None
     choices: List[int] = field(default_factory=list)
     reasons: List[str] = field(default_factory=list)
