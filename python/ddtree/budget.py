@@ -319,7 +319,6 @@ class AutoBudget:
     def __post_init__(self):
         # Expected tokens per live request per bucket: a running average over drafted rounds.
         self.per_request: Optional[List[float]] = None
-        self.live = 1
         # batch size -> bucket -> measured / profiled round time (earlier generations' too)
         self.cost_ratios: Dict[int, Dict[int, float]] = {
             int(b): {int(k): v for k, v in r.items()}
@@ -334,7 +333,6 @@ class AutoBudget:
         self.batch, self.depth = batch, depth
         self.per_request = list((self.prior or {}).get("expected_per_request") or
                                 [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets])
-        self.live = batch
         self.wait, self.since_draft = self.probe_after, 0
 
     def calibration_prior(self) -> Optional[List[float]]:
@@ -423,25 +421,26 @@ class AutoBudget:
         """Tokens per millisecond of a round of `bucket` emitting `tokens`."""
         return tokens / max(1e-9, self.cost(bucket))
 
-    def _best(self, expected, drafted_only=False) -> int:
-        """The bucket of most expected tokens per ms; a tree only when it beats an
-        autoregressive round by `hurdle` (drafted_only: the best tree)."""
-        best = max((self.rate(b, e), b) for b, e in zip(self.buckets, expected) if b > 0)
-        if drafted_only or best[0] >= self.hurdle * self.rate(0, expected[0]):
-            return best[1]
-        return 0
+    def _best_tree(self, expected) -> int:
+        """The tree bucket of most expected tokens per ms."""
+        return max((self.rate(b, e), b) for b, e in zip(self.buckets, expected) if b > 0)[1]
+
+    def _pays(self, bucket: int, expected) -> bool:
+        """Whether the tree `bucket` beats an autoregressive round by `hurdle`."""
+        return self.rate(bucket, expected[self.buckets.index(bucket)]) >= \
+            self.hurdle * self.rate(0, expected[0])
 
     def choose(self) -> int:
-        live = max(1, self.live)
-        optimistic = [live * (1 + min(b, self.depth)) for b in self.buckets]
-        ar_rate = self.rate(0, live)
-        if not any(self.rate(b, o) > ar_rate for b, o in zip(self.buckets, optimistic) if b):
+        if self.never_drafts(self.depth):  # both sides scale with the live requests
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
-            expected = [e * live for e in self.per_request]
-            choice, why = self._best(expected), "best expected tokens/s"
-            if choice == 0 and self.since_draft >= max(self.wait, self._least_wait(expected)):
-                choice, why = self._best(expected, True), "probe"
+            tree = self._best_tree(self.per_request)  # per request: the live count cancels
+            if self._pays(tree, self.per_request):
+                choice, why = tree, "best expected tokens/s"
+            elif self.since_draft >= max(self.wait, self._least_wait(tree)):
+                choice, why = tree, "probe"
+            else:
+                choice, why = 0, "best expected tokens/s"
         self.choices.append(choice)
         self.reasons.append(why)
         return choice
@@ -455,10 +454,9 @@ class AutoBudget:
         that many autoregressive rounds."""
         return max(self.max_wait, math.ceil(self._probe_extra(bucket) / self.probe_overhead))
 
-    def _least_wait(self, expected) -> int:
-        """The first wait: probe_after rounds, or more when a probe costs more than 4 *
-        probe_overhead of them (probes are dear next to a decoding step at large batches)."""
-        probe = self._best(expected, True)
+    def _least_wait(self, probe: int) -> int:
+        """The first wait: probe_after rounds, or more when a probe of `probe` costs more than
+        4 * probe_overhead of them (probes are dear next to a decoding step at large batches)."""
         return max(self.probe_after, math.ceil(self._probe_extra(probe) / (4 * self.probe_overhead)))
 
     def observe(self, stats: Optional[RoundStats]) -> None:
@@ -466,12 +464,11 @@ class AutoBudget:
         if stats is None:
             self.since_draft += 1
             return
-        self.live = stats.live
         a = self.smoothing
         self.per_request = [a * new / max(1, stats.live) + (1 - a) * old
                             for new, old in zip(stats.expected, self.per_request)]
         if self.reasons[-1] == "probe":
-            paid = self._best(stats.expected) != 0
+            paid = self._pays(self._best_tree(stats.expected), stats.expected)
             self.wait = self.probe_after if paid else \
                 min(self._longest_wait(self.choices[-1]), 2 * self.wait)
         self.since_draft = 0
