@@ -107,7 +107,8 @@ def test_deferred_context_equals_drafted_context():
 def test_policy_choices_and_probes():
     """argmax of expected tokens per ms; while autoregressive rounds win, a probe after
     `probe_after` of them, the wait doubling after each probe that does not pay, up to
-    `max_wait`, and back to `probe_after` after one that pays."""
+    `max_wait`, and back to `probe_after` after one that pays; a run of drafted rounds goes on
+    while the estimate stays within `stay` of an autoregressive round."""
     costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
     policy = cost_aware.AutoBudget(costs, probe_after=2, max_wait=6, probe_overhead=1.0)
     policy.start(1, 15, "cpu")
@@ -128,12 +129,22 @@ def test_policy_choices_and_probes():
         picks.append(policy.choose())
         if picks[-1]:
             probes += 1
-        # The third probe pays (2.8 tokens at 16 for 25 ms), the blend with the weak estimate
-        # does not (2.45 tokens): autoregressive again, the next probe after probe_after rounds.
+        # The third probe pays (2.8 tokens at 16 for 25 ms). Drafting then goes on while the
+        # estimate stays within `stay` (0.9) of an autoregressive round: blended with weak
+        # rounds, 2.45 and 2.28 tokens (0.98 and 0.91 of it) keep drafting, 2.19 (0.88) stops.
         policy.observe(None if picks[-1] == 0 else stats if probes == 3 else weak)
-    # Waits of 2, then 4, then 6 (max_wait) autoregressive rounds between probes, then 2.
-    assert picks == [0, 0, 16, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 16, 0, 0, 16]
-    assert [r for r, b in zip(policy.reasons[-18:], picks) if b] == ["probe"] * 4
+    # Waits of 2, then 4, then 6 (max_wait) autoregressive rounds between probes.
+    assert picks == [0, 0, 16, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 16, 16, 16, 0]
+    assert [r for r, b in zip(policy.reasons[-18:], picks) if b] == ["probe"] * 3 + [
+        "best expected tokens/s"] * 2
+    # Without the hysteresis (stay = hurdle) the run ends at the first blend below the hurdle.
+    strict = cost_aware.AutoBudget(costs, probe_after=2, max_wait=6, probe_overhead=1.0,
+                                   stay=1.1)
+    strict.start(1, 15, "cpu")
+    strict.per_request = [1.0, 2.0, 2.3, 2.8, 2.9, 3.0]
+    assert strict.choose() == 16
+    strict.observe(weak)
+    assert strict.choose() == 0
     assert "autoregressive" in policy.explain() or "trees of" in policy.explain()
     # Probes dear next to a decoding step: a tree of 16 costs 1.5 autoregressive rounds more, so
     # with probe_overhead 0.05 the first wait is >= 1.5 / 0.2 rounds and the longest >= 1.5 / 0.05.
@@ -184,6 +195,32 @@ def test_learned_state_carries_over_between_generations(monkeypatch):
     assert second.per_request == first.learned["expected_per_request"]
     assert second.cost_ratios == first.cost_ratios and second.cost(4) == first.cost(4)
     assert second.calibration_prior() == first.learned["calibration"]
+
+
+class RecordingBudget(cost_aware.AutoBudget):
+    """AutoBudget that keeps every round's statistics."""
+
+    def observe(self, stats):
+        self.seen = getattr(self, "seen", []) + [stats]
+        super().observe(stats)
+
+
+def test_round_statistics_cover_the_requests_that_took_part():
+    """Every drafted round's statistics count the requests that took part in it — the round in
+    which a request finishes included (counting it as gone would average a zero into the
+    expected gains) — and an autoregressive round's expected tokens are one per request."""
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    cheap = profile({0: 10.0, 4: 1.0, 8: 1.1, 16: 1.2, 32: 1.3, 64: 1.4}, batch=2)
+    policy = RecordingBudget(cheap, learn_costs=False)
+    results = generate_batch(target, drafter, PROMPTS[:2], 17, budget="auto",
+                             policy=policy)
+    drafted = [s for s in policy.seen if s is not None]
+    assert drafted and len(drafted) == len(policy.seen)
+    taking_part = [sum(len(r.acceptance_lengths) > i for r in results)
+                   for i in range(len(drafted))]
+    assert [s.live for s in drafted] == taking_part
+    assert all(s.expected[0] == pytest.approx(s.live) for s in drafted)
+    assert policy.per_request[0] == pytest.approx(1.0)
 
 
 def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
@@ -335,7 +372,7 @@ def test_round_cost_counts_the_rounds_of_the_whole_batch(monkeypatch, tmp_path):
 def test_round_costs_follow_the_measured_round_times():
     """observe_cost: a bucket's cost becomes the profile's times a running ratio of measured to
     profiled time; buckets that have not run take the mean ratio of those that have; the choice
-    follows (trees profiled as paying, measured at about 3x their profile, stop paying), and the
+    follows (trees profiled as paying, measured at about 4x their profile, stop paying), and the
     next generation starts from the measured costs. The loop
     reports warm rounds only: every reported bucket ran before at that batch size."""
     costs = profile({0: 10.0, 4: 12.0, 8: 13.0, 16: 14.0, 32: 15.0, 64: 16.0})
@@ -347,11 +384,11 @@ def test_round_costs_follow_the_measured_round_times():
     policy.observe_cost(0, 12.0)
     assert policy.cost(0) == pytest.approx(12.0) and policy.cost(16) == pytest.approx(14.0 * 1.2)
     for _ in range(6):
-        policy.observe_cost(16, 42.0)
-    assert policy.cost(16) == pytest.approx(42.0, rel=0.03)
+        policy.observe_cost(16, 56.0)
+    assert policy.cost(16) == pytest.approx(56.0, rel=0.03)
     assert policy.cost(64) == pytest.approx(16.0 * (1.2 + policy.cost_ratios[1][16]) / 2)
     for _ in range(6):
-        policy.observe_cost(4, 36.0)
+        policy.observe_cost(4, 48.0)
     assert policy.choose() == 0
     after = cost_aware.AutoBudget(costs, prior=policy.finish([1.0, 1.0]))  # the next generation
     after.start(1, 15, "cpu")

@@ -301,6 +301,11 @@ class AutoBudget:
     # factor: the estimate comes from earlier rounds, and rounds are drafted exactly when it is
     # high, so near the break-even point the realised gain is below the estimate.
     hurdle: float = 1.1
+    # Once drafting, a tree is kept while its expected rate is at least `stay` of an
+    # autoregressive round's (hysteresis): leaving costs the information drafted rounds bring
+    # (an autoregressive round says nothing about the draft; the next probe comes only after a
+    # wait), so one weak round inside a run of good ones does not end the run.
+    stay: float = 0.9
     # Whole generations run plain autoregressive on learned gains (plain_autoregressive).
     plain_margin: float = 0.8
     plain_min_batch: int = 2
@@ -425,17 +430,18 @@ class AutoBudget:
         """The tree bucket of most expected tokens per ms."""
         return max((self.rate(b, e), b) for b, e in zip(self.buckets, expected) if b > 0)[1]
 
-    def _pays(self, bucket: int, expected) -> bool:
-        """Whether the tree `bucket` beats an autoregressive round by `hurdle`."""
+    def _pays(self, bucket: int, expected, factor: Optional[float] = None) -> bool:
+        """Whether the tree `bucket` beats an autoregressive round by `factor` (`hurdle`)."""
         return self.rate(bucket, expected[self.buckets.index(bucket)]) >= \
-            self.hurdle * self.rate(0, expected[0])
+            (self.hurdle if factor is None else factor) * self.rate(0, expected[0])
 
     def choose(self) -> int:
         if self.never_drafts(self.depth):  # both sides scale with the live requests
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
             tree = self._best_tree(self.per_request)  # per request: the live count cancels
-            if self._pays(tree, self.per_request):
+            drafting = self.since_draft == 0 and bool(self.choices) and self.choices[-1] > 0
+            if self._pays(tree, self.per_request, self.stay if drafting else self.hurdle):
                 choice, why = tree, "best expected tokens/s"
             elif self.since_draft >= max(self.wait, self._least_wait(tree)):
                 choice, why = tree, "probe"
@@ -465,8 +471,9 @@ class AutoBudget:
             self.since_draft += 1
             return
         a = self.smoothing
-        self.per_request = [a * new / max(1, stats.live) + (1 - a) * old
-                            for new, old in zip(stats.expected, self.per_request)]
+        if stats.live > 0:
+            self.per_request = [a * new / stats.live + (1 - a) * old
+                                for new, old in zip(stats.expected, self.per_request)]
         if self.reasons[-1] == "probe":
             paid = self._pays(self._best_tree(stats.expected), stats.expected)
             self.wait = self.probe_after if paid else \

@@ -558,6 +558,9 @@ class _AutoRounds:
             tree = ops.first_nodes(full, bucket)
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, committed_len)
         clock.mark()
+        # The requests taking part in this round (emitted() drops those it finishes): the
+        # round's statistics cover them, its last round included.
+        took_part = None if bucket == 0 else requests.alive.clone()
         verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree, vis,
                                                   committed_len)
         batch = emitted.shape[0]
@@ -567,7 +570,7 @@ class _AutoRounds:
             draft.commit(hidden_states, verdict)
             self.calibration.update(predicted * (verdict.accept_len > 0), verdict.accept_len)
             emitted = torch.cat([emitted, cost_aware.pack_stats(
-                expected, self.buckets.index(bucket), requests.alive, emitted.shape[1])])
+                expected, self.buckets.index(bucket), took_part, emitted.shape[1])])
         rows = emitted.tolist()  # the round's one host read
         stats = None if bucket == 0 else \
             cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch)
