@@ -205,6 +205,33 @@ class RecordingBudget(cost_aware.AutoBudget):
         super().observe(stats)
 
 
+def test_a_batch_is_priced_by_its_slowest_request():
+    """A batch lasts until its slowest request is done: a tree that averages well over the batch
+    but barely helps the request with the most rounds left does not pay (the others finishing
+    early does not end the generation sooner); once that request is nearly done, it does."""
+    costs = profile({0: 10.0, 4: 15.0, 8: 30.0, 16: 40.0, 32: 50.0, 64: 60.0}, batch=2)
+    policy = cost_aware.AutoBudget(costs, learn_costs=False, probe_after=1000)
+    policy.start(2, 15, "cpu")
+    fast, slow = [1.0, 4.0, 4.5, 5.0, 5.0, 5.0], [1.0, 1.1, 1.2, 1.2, 1.2, 1.2]
+    policy.by_request = {7: fast, 9: slow}
+    policy.per_request = [(f + s) / 2 for f, s in zip(fast, slow)]
+    policy.observe_remaining({7: 80, 9: 80})
+    # Averaged: 2.55 tokens per 15 ms against 1 per 10 ms (1.7x); the slow request: 80 / 1.1
+    # rounds of 15 ms against 80 of 10 ms (0.73x).
+    assert policy.speedup(4, policy.per_request) == pytest.approx(2.55 / 1.5)
+    assert policy.speedup(4) == pytest.approx(800 / (80 / 1.1 * 15))
+    assert policy.choose() == 0
+    policy.observe(None)
+    policy.observe_remaining({7: 80, 9: 5})  # now the fast request has the most rounds left
+    assert policy.speedup(4) == pytest.approx(800 / (20 * 15))
+    assert policy.choose() == 4
+    # Without remaining tokens (a policy driven outside generate) the batch average decides.
+    plain = cost_aware.AutoBudget(costs, learn_costs=False)
+    plain.start(2, 15, "cpu")
+    plain.per_request = policy.per_request
+    assert plain.speedup(4) == pytest.approx(2.55 / 1.5) and plain.choose() == 4
+
+
 def test_round_statistics_cover_the_requests_that_took_part():
     """Every drafted round's statistics count the requests that took part in it — the round in
     which a request finishes included (counting it as gone would average a zero into the
@@ -220,6 +247,10 @@ def test_round_statistics_cover_the_requests_that_took_part():
                    for i in range(len(drafted))]
     assert [s.live for s in drafted] == taking_part
     assert all(s.expected[0] == pytest.approx(s.live) for s in drafted)
+    for s in drafted:  # per row: 1 token at bucket 0 for the rows that took part, else zeros
+        assert set(s.requests) <= {0, 1} and len(s.per_row) == len(s.requests)  # batch shrinks
+        assert sum(row[0] for row in s.per_row) == pytest.approx(s.live)
+        assert all(row == sorted(row) for row in s.per_row)  # bigger trees expect no fewer
     assert policy.per_request[0] == pytest.approx(1.0)
 
 

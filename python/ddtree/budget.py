@@ -12,7 +12,8 @@ expected tokens per second, autoregressive decoding included.
   it); while decoding, each round's wall time corrects its bucket's cost
   (`AutoBudget.observe_cost`).
 - The policy: `AutoBudget` picks, once per round from the round's one host read, the bucket
-  maximising sum of expected emitted tokens / round cost; bucket 0 is an autoregressive round
+  of most expected speed-up (the time every live request needs to finish: remaining tokens /
+  its expected tokens a round, times the round cost); bucket 0 is an autoregressive round
   (no draft step; the drafter's context is kept up to date by `defer` / `catch_up`), with a
   drafted probe after a bounded, growing wait. Each request's tree is the best n-node prefix of
   one tree built at the next bucket up (whose expected gain the next decision sees).
@@ -233,6 +234,10 @@ class RoundStats:
     expected: List[float]        # per bucket: summed calibrated expected tokens of live requests
     predicted: List[float]       # per request: calibrated expected tokens of the chosen bucket
     live: int                    # requests still generating
+    # per batch row, per bucket: that request's calibrated expected tokens (rows that took no
+    # part: zeros), and the request in each row (filled in by the loop)
+    per_row: List[List[float]] = field(default_factory=list)
+    requests: List[int] = field(default_factory=list)
 
 
 class FixedBucket:
@@ -273,16 +278,18 @@ class FixedBucket:
 
 @dataclass
 class AutoBudget:
-    """Chooses each round's bucket: argmax over buckets of (summed expected tokens of the live
-    requests) / round cost. The expected tokens are a running average of the last drafted
-    rounds' calibrated predictions (a round's bucket is chosen before its draft exists, and an
+    """Chooses each round's bucket: the most expected speed-up over autoregressive rounds
+    (`speedup`: the batch is priced by the request with the most rounds left). The expected
+    tokens are running averages (per request, and over the batch) of the last drafted rounds'
+    calibrated predictions (a round's bucket is chosen before its draft exists, and an
     autoregressive round tells nothing about the draft). So while autoregressive rounds win, a
     drafted round (a probe) is tried after `probe_after` rounds, the wait doubling after each
     probe that does not pay, up to `max_wait` rounds (more where a probe costs many decoding
     steps, `probe_overhead`): the drafter's confidence changes with the text, and a bounded wait
-    bounds what the probes cost when drafting never pays. A tree must beat an autoregressive
-    round by `hurdle`. No drafted round at all while no bucket could pay even if every node were
-    accepted; whole generations are plain autoregressive by plain_autoregressive's rule."""
+    bounds what the probes cost when drafting never pays. A tree must beat autoregressive
+    rounds by `hurdle` and, once drafting, is kept while within `stay` of them. No drafted
+    round at all while no bucket could pay even if every node were accepted; whole generations
+    are plain autoregressive by plain_autoregressive's rule."""
     profile: Optional[CostProfile] = None
     buckets: Sequence[int] = BUCKETS
     smoothing: float = 0.5
@@ -324,6 +331,10 @@ class AutoBudget:
     def __post_init__(self):
         # Expected tokens per live request per bucket: a running average over drafted rounds.
         self.per_request: Optional[List[float]] = None
+        # The same per request (id -> per bucket), and each live request's remaining tokens
+        # (observe_remaining): a batch's generation lasts until its slowest request is done.
+        self.by_request: Dict[int, List[float]] = {}
+        self.remaining: Dict[int, int] = {}
         # batch size -> bucket -> measured / profiled round time (earlier generations' too)
         self.cost_ratios: Dict[int, Dict[int, float]] = {
             int(b): {int(k): v for k, v in r.items()}
@@ -339,6 +350,7 @@ class AutoBudget:
         self.per_request = list((self.prior or {}).get("expected_per_request") or
                                 [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets])
         self.wait, self.since_draft = self.probe_after, 0
+        self.by_request, self.remaining = {}, {}
 
     def calibration_prior(self) -> Optional[List[float]]:
         return self.prior.get("calibration") if self.prior else None
@@ -426,22 +438,47 @@ class AutoBudget:
         """Tokens per millisecond of a round of `bucket` emitting `tokens`."""
         return tokens / max(1e-9, self.cost(bucket))
 
-    def _best_tree(self, expected) -> int:
-        """The tree bucket of most expected tokens per ms."""
-        return max((self.rate(b, e), b) for b, e in zip(self.buckets, expected) if b > 0)[1]
+    def observe_remaining(self, remaining: Dict[int, int]) -> None:
+        """After each round (before observe): the live requests' remaining tokens (request id
+        -> max_new_tokens minus the tokens it has)."""
+        self.remaining = dict(remaining)
 
-    def _pays(self, bucket: int, expected, factor: Optional[float] = None) -> bool:
-        """Whether the tree `bucket` beats an autoregressive round by `factor` (`hurdle`)."""
-        return self.rate(bucket, expected[self.buckets.index(bucket)]) >= \
-            (self.hurdle if factor is None else factor) * self.rate(0, expected[0])
+    def speedup(self, bucket: int, expected=None) -> float:
+        """Expected speed-up of rounds of `bucket` over autoregressive ones. With the live
+        requests' remaining tokens known (observe_remaining): the ratio of the times every live
+        request would need to finish, max over requests of remaining / expected tokens a round
+        times the round cost — a batch is done when its slowest request is, so tokens of
+        requests that are ahead do not shorten it. `expected`: per request id (per bucket),
+        default each request's running estimate; or, without remaining tokens, per bucket
+        (tokens per ms against an autoregressive round's)."""
+        i = self.buckets.index(bucket)
+        if expected is None and self.remaining:
+            expected = {r: self.by_request.get(r, self.per_request) for r in self.remaining}
+        if isinstance(expected, dict):
+            live = [r for r in expected if r in self.remaining]
+            if live:
+                rounds = max(self.remaining[r] / max(expected[r][i], 1e-6) for r in live)
+                plain = max(self.remaining[r] / max(expected[r][0], 1e-6) for r in live)
+                return plain * self.cost(0) / max(1e-9, rounds * self.cost(bucket))
+            expected = self.per_request
+        expected = self.per_request if expected is None else expected
+        return self.rate(bucket, expected[i]) / max(1e-12, self.rate(0, expected[0]))
+
+    def _best_tree(self, expected=None) -> int:
+        """The tree bucket of most expected speed-up (speedup)."""
+        return max((self.speedup(b, expected), b) for b in self.buckets if b > 0)[1]
+
+    def _pays(self, bucket: int, expected=None, factor: Optional[float] = None) -> bool:
+        """Whether the tree `bucket` beats autoregressive rounds by `factor` (`hurdle`)."""
+        return self.speedup(bucket, expected) >= (self.hurdle if factor is None else factor)
 
     def choose(self) -> int:
         if self.never_drafts(self.depth):  # both sides scale with the live requests
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
-            tree = self._best_tree(self.per_request)  # per request: the live count cancels
+            tree = self._best_tree()
             drafting = self.since_draft == 0 and bool(self.choices) and self.choices[-1] > 0
-            if self._pays(tree, self.per_request, self.stay if drafting else self.hurdle):
+            if self._pays(tree, factor=self.stay if drafting else self.hurdle):
                 choice, why = tree, "best expected tokens/s"
             elif self.since_draft >= max(self.wait, self._least_wait(tree)):
                 choice, why = tree, "probe"
@@ -471,11 +508,16 @@ class AutoBudget:
             self.since_draft += 1
             return
         a = self.smoothing
+        fresh = {r: row for r, row in zip(stats.requests, stats.per_row) if row and row[0] > 0.5}
+        for r, row in fresh.items():  # rows that took part (an expected 1 token at bucket 0)
+            old = self.by_request.get(r, self.per_request)
+            self.by_request[r] = [a * new + (1 - a) * o for new, o in zip(row, old)]
         if stats.live > 0:
             self.per_request = [a * new / stats.live + (1 - a) * old
                                 for new, old in zip(stats.expected, self.per_request)]
         if self.reasons[-1] == "probe":
-            paid = self._pays(self._best_tree(stats.expected), stats.expected)
+            this_round = fresh if self.remaining and fresh else stats.expected
+            paid = self._pays(self._best_tree(this_round), this_round)
             self.wait = self.probe_after if paid else \
                 min(self._longest_wait(self.choices[-1]), 2 * self.wait)
         self.since_draft = 0
@@ -556,15 +598,20 @@ def remember(policy) -> None:
 def pack_stats(expected: torch.Tensor, column: int, live: torch.Tensor,
                width: int) -> torch.Tensor:
     """The auto round's statistics as int64 rows of `width` to append to the round's host read:
-    per bucket column the summed expected tokens of the live requests, the live count, then each
-    request's expected tokens of the verified bucket (`column`); fixed point."""
+    per bucket column the summed expected tokens of the live requests, the live count, each
+    request's expected tokens of the verified bucket (`column`), then every request's expected
+    tokens per bucket (row-major, zeros for rows that took no part); fixed point."""
     w = live.to(expected.dtype)
-    flat = torch.cat([(expected * w[:, None]).sum(0), w.sum()[None], expected[:, column]])
+    flat = torch.cat([(expected * w[:, None]).sum(0), w.sum()[None], expected[:, column],
+                      (expected * w[:, None]).flatten()])
     flat = (flat * FIXED_POINT).round().long()
     return torch.nn.functional.pad(flat, (0, -flat.numel() % width)).view(-1, width)
 
 
 def unpack_stats(rows: List[List[int]], buckets: int, batch: int) -> RoundStats:
     flat = [v / FIXED_POINT for row in rows for v in row]
+    start = buckets + 1 + batch
     return RoundStats(expected=flat[:buckets], live=round(flat[buckets]),
-                      predicted=flat[buckets + 1: buckets + 1 + batch])
+                      predicted=flat[buckets + 1: start],
+                      per_row=[flat[start + i * buckets: start + (i + 1) * buckets]
+                               for i in range(batch)])

@@ -405,6 +405,10 @@ class _Requests:
     def all_finished(self) -> bool:
         return all(self.done)
 
+    def remaining(self) -> Dict[int, int]:
+        """Request id -> tokens still to generate (max_new_tokens), for the live requests."""
+        return {b: self.max_new - len(self.tokens[b]) for b in self.rows if not self.done[b]}
+
     def rows_to_keep(self) -> Optional[List[int]]:
         """The rows of a smaller batch when requests have finished: the live rows, padded with
         finished ones up to the next power of two (one shape, one captured graph, per bucket);
@@ -574,7 +578,11 @@ class _AutoRounds:
         rows = emitted.tolist()  # the round's one host read
         stats = None if bucket == 0 else \
             cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch)
+        if stats is not None:
+            stats.requests = list(requests.rows)
         requests.take(rows[:batch], bucket, stats.predicted if stats else None)
+        if hasattr(self.policy, "observe_remaining"):
+            self.policy.observe_remaining(requests.remaining())
         self.rounds, self.drafted = self.rounds + 1, self.drafted + (bucket > 0)
         if self._timed(bucket) and hasattr(self.policy, "observe_cost"):
             self.policy.observe_cost(bucket, 1e3 * (time.perf_counter() - clock.round_starts[-1]))
