@@ -145,6 +145,19 @@ def test_policy_choices_and_probes():
     assert strict.choose() == 16
     strict.observe(weak)
     assert strict.choose() == 0
+    # A probe that clears `stay` but not `hurdle` (0.95 of an autoregressive round) starts no
+    # run: the next round is autoregressive and the wait doubles.
+    near = cost_aware.AutoBudget(costs, probe_after=2, max_wait=6, probe_overhead=1.0)
+    near.start(1, 15, "cpu")
+    almost = cost_aware.RoundStats(expected=[1.0, 1.5, 1.7, 2.375, 2.2, 2.3], predicted=[2.4],
+                                   live=1)
+    near.per_request = list(almost.expected)
+    assert near.speedup(16) == pytest.approx(0.95)
+    near.observe(None)
+    near.observe(None)  # two autoregressive rounds: the wait is over
+    assert near.choose() == 16 and near.reasons[-1] == "probe"
+    near.observe(almost)
+    assert near.choose() == 0 and near.wait == 4
     assert "autoregressive" in policy.explain() or "trees of" in policy.explain()
     # Probes dear next to a decoding step: a tree of 16 costs 1.5 autoregressive rounds more, so
     # with probe_overhead 0.05 the first wait is >= 1.5 / 0.2 rounds and the longest >= 1.5 / 0.05.
@@ -230,6 +243,37 @@ def test_a_batch_is_priced_by_its_slowest_request():
     plain.start(2, 15, "cpu")
     plain.per_request = policy.per_request
     assert plain.speedup(4) == pytest.approx(2.55 / 1.5) and plain.choose() == 4
+
+
+def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_plain():
+    """observe_generation: the time autoregressive decoding would have taken (each request's
+    tokens after its first, one a round, at the power-of-two batch of the requests still live)
+    over the generation's measured loop time; generations at that batch size that follow one
+    measured below 1x run plain (re-checked every REFRESH_AFTER-th), not at batch 1."""
+    ms = {0: 10.0, 4: 30.0, 8: 32.0, 16: 35.0, 32: 40.0, 64: 50.0}
+    smaller = {2: profile({**ms, 0: 8.0}, batch=2), 1: profile({**ms, 0: 5.0}, batch=1)}
+    policy = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, smaller=smaller)
+    policy.start(4, 15, "cpu")
+    policy.per_request = [1.0, 4.0, 4.5, 5.0, 5.0, 5.0]  # gains that look good
+    # rounds 0-5: 4 or 3 live (batch 4, 10 ms), rounds 6-9: 2 live (batch 2, 8 ms) = 92 ms
+    policy.observe_generation(115.0, [10, 10, 6, 3])
+    assert policy.measured_speedup == pytest.approx(92 / 115)
+    learned = policy.finish([1.0, 1.0])
+    assert learned["measured_speedup"] == pytest.approx(0.8)
+    after = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, prior=learned)
+    assert after.plain_autoregressive(4, 15) and after.plain_reason.startswith("measured")
+    assert not after.plain_autoregressive(1, 15)  # a single request: probes decide
+    paid = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False,
+                                 prior={**learned, "measured_speedup": 1.2})
+    assert not paid.plain_autoregressive(4, 15)
+    refresh = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, prior={
+        **learned, "plain_runs": cost_aware.AutoBudget.REFRESH_AFTER})
+    assert not refresh.plain_autoregressive(4, 15)
+    # The loop reports every auto generation.
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    looped = cost_aware.AutoBudget(profile(ms, batch=2), learn_costs=False)
+    generate_batch(target, drafter, PROMPTS[:2], 12, budget="auto", policy=looped)
+    assert looped.measured_speedup > 0 and looped.learned["measured_speedup"] > 0
 
 
 def test_round_statistics_cover_the_requests_that_took_part():

@@ -351,6 +351,8 @@ class AutoBudget:
                                 [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets])
         self.wait, self.since_draft = self.probe_after, 0
         self.by_request, self.remaining = {}, {}
+        self.in_run = False  # the last round drafted for its gain, or was a probe that paid
+        self.initial_batch, self.measured_speedup = self.profile.batch, None
 
     def calibration_prior(self) -> Optional[List[float]]:
         return self.prior.get("calibration") if self.prior else None
@@ -363,6 +365,11 @@ class AutoBudget:
             before = (self.prior or {}).get("expected_per_request")
             learned["expected_per_request"] = list(self.per_request) if not before else \
                 [(a + b) / 2 for a, b in zip(self.per_request, before)]
+        speedup = getattr(self, "measured_speedup", None)
+        before = (self.prior or {}).get("measured_speedup")
+        if speedup is not None or before is not None:
+            learned["measured_speedup"] = speedup if before is None else before if \
+                speedup is None else (speedup + before) / 2
         self.learned = learned
         return learned
 
@@ -381,20 +388,25 @@ class AutoBudget:
         pay even with every node accepted (never_drafts), or — batches of at least
         `plain_min_batch` requests — when the expected gains learned by earlier generations at
         this batch size put every tree below `plain_margin` of an autoregressive round (every
-        REFRESH_AFTER-th such generation drafts again to re-check). A single request's gains
-        swing with its prompt (tree 16 on the held-out prompts: 1.4 to 8.6 tokens a round), so
-        at batch 1 one generation says little about the next and probes decide instead; a
-        batch's estimate averages its requests."""
+        REFRESH_AFTER-th such generation drafts again to re-check), or when earlier drafting
+        generations at this batch size were measured slower than autoregressive decoding would
+        have been (observe_generation: the outcome, whatever the estimates said). A single
+        request's gains swing with its prompt (tree 16 on the held-out prompts: 1.4 to 8.6
+        tokens a round), so at batch 1 one generation says little about the next and probes
+        decide instead; a batch's estimate averages its requests."""
         if self.never_drafts(depth):
             self.plain_reason = "no tree could pay even if every node were accepted"
             return True
         prior = self.prior or {}
         learned = prior.get("expected_per_request")
-        if batch >= self.plain_min_batch and learned and \
-                prior.get("plain_runs", 0) < self.REFRESH_AFTER:
-            best = max(self.rate(b, e) for b, e in zip(self.buckets, learned) if b > 0)
-            if best < self.plain_margin * self.rate(0, 1.0):
+        if batch >= self.plain_min_batch and prior.get("plain_runs", 0) < self.REFRESH_AFTER:
+            if learned and max(self.rate(b, e) for b, e in zip(self.buckets, learned)
+                               if b > 0) < self.plain_margin * self.rate(0, 1.0):
                 self.plain_reason = "learned expected gains: no tree comes close to paying"
+                return True
+            if prior.get("measured_speedup", math.inf) < 1.0:
+                self.plain_reason = ("measured: drafting generations at this batch size took "
+                                     "longer than autoregressive decoding would have")
                 return True
         return False
 
@@ -427,12 +439,29 @@ class AutoBudget:
         a = self.cost_smoothing
         ratios[bucket] = ratio if old is None else a * ratio + (1 - a) * old
 
-    def cost(self, bucket: int) -> float:
-        """Milliseconds of a round of `bucket`: the profile's, times the bucket's measured ratio
-        at this batch size (or, before the bucket has run, the mean ratio of those that have)."""
-        ratios = self.cost_ratios.get(self.profile.batch, {}) if self.learn_costs else {}
+    def cost(self, bucket: int, batch: Optional[int] = None) -> float:
+        """Milliseconds of a round of `bucket` at the current batch size (or `batch`, one with a
+        profile): the profile's, times the bucket's measured ratio at that size (or, before the
+        bucket has run, the mean ratio of those that have)."""
+        profile = self.profile if batch is None else \
+            {p.batch: p for p in [self.profile, *self.smaller.values()]}.get(batch, self.profile)
+        ratios = self.cost_ratios.get(profile.batch, {}) if self.learn_costs else {}
         ratio = ratios.get(bucket, sum(ratios.values()) / len(ratios) if ratios else 1.0)
-        return self.profile.round_ms[bucket] * ratio
+        return profile.round_ms[bucket] * ratio
+
+    def observe_generation(self, loop_ms: float, rounds_needed: Sequence[int]) -> None:
+        """At the end of a generation of the auto loop: its rounds took `loop_ms`; request r
+        emitted rounds_needed[r] tokens after its first, so autoregressive decoding would have
+        run max(rounds_needed) rounds, at each the power-of-two batch size of the requests still
+        live (finished ones leave). Their estimated time over loop_ms is the speed-up drafting
+        really brought (`measured_speedup`), whatever the estimates said."""
+        sizes = sorted(self.smaller) + [self.initial_batch]
+        plain_ms = 0.0
+        for t in range(max(rounds_needed, default=0)):
+            live = sum(1 for n in rounds_needed if n > t)
+            size = next(s for s in sizes if s >= min(live, self.initial_batch))
+            plain_ms += self.cost(0, size)
+        self.measured_speedup = plain_ms / loop_ms if loop_ms > 0 and plain_ms > 0 else None
 
     def rate(self, bucket: int, tokens: float) -> float:
         """Tokens per millisecond of a round of `bucket` emitting `tokens`."""
@@ -477,7 +506,7 @@ class AutoBudget:
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
             tree = self._best_tree()
-            drafting = self.since_draft == 0 and bool(self.choices) and self.choices[-1] > 0
+            drafting = self.since_draft == 0 and self.in_run
             if self._pays(tree, factor=self.stay if drafting else self.hurdle):
                 choice, why = tree, "best expected tokens/s"
             elif self.since_draft >= max(self.wait, self._least_wait(tree)):
@@ -520,6 +549,9 @@ class AutoBudget:
             paid = self._pays(self._best_tree(this_round), this_round)
             self.wait = self.probe_after if paid else \
                 min(self._longest_wait(self.choices[-1]), 2 * self.wait)
+            self.in_run = paid
+        else:
+            self.in_run = True
         self.since_draft = 0
 
     def explain(self) -> str:

@@ -655,6 +655,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                             f"context of autoregressive rounds); {type(draft).__name__} has none")
         policy.start(batch, depth, device)
         auto = _AutoRounds(policy, device, shard)
+        loop_started = time.perf_counter()
         with validation(False):
             while not requests.all_finished():
                 committed_len, bonus = auto.round(clock, draft, verifier, sampler, requests,
@@ -665,12 +666,16 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                     auto.resized()
                     if hasattr(policy, "resize"):
                         policy.resize(kept.numel())
+        loop_ms = 1e3 * (time.perf_counter() - loop_started)
+        warmup_rounds = 2 if cuda_graph else 1
+        results = requests.results(time.perf_counter() - started, clock.totals(),
+                                   clock.elapsed_before(warmup_rounds, started), warmup_rounds)
+        if hasattr(policy, "observe_generation"):  # tokens after the first: a plain round each
+            policy.observe_generation(loop_ms, [len(r.tokens) - 1 for r in results])
         if hasattr(policy, "finish"):
             policy.finish(auto.calibration.sums.tolist())
             cost_aware.remember(policy)
-        warmup_rounds = 2 if cuda_graph else 1
-        return requests.results(time.perf_counter() - started, clock.totals(),
-                                clock.elapsed_before(warmup_rounds, started), warmup_rounds)
+        return results
     build_tree = _tree_builder(mode, n - 1, budget_t, shard)
     with validation(False):
         while not requests.all_finished():
