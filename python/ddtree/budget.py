@@ -16,7 +16,8 @@ expected tokens per second, autoregressive decoding included.
   its expected tokens a round, times the round cost); bucket 0 is an autoregressive round
   (no draft step; the drafter's context is kept up to date by `defer` / `catch_up`), with a
   drafted probe after a bounded, growing wait. Each request's tree is the best n-node prefix of
-  one tree built at the next bucket up (whose expected gain the next decision sees).
+  one tree built at the largest bucket (so the next decision sees the expected gain of every
+  bucket).
 """
 from __future__ import annotations
 

@@ -519,8 +519,8 @@ def _verify(clock, verifier, sampler, requests, tree, vis, committed_len):
 class _AutoRounds:
     """One round of budget="auto": the policy's bucket (from the last round's host read); an
     autoregressive round (the drafter defers the accepted row to its context) or a drafted round
-    verifying the best bucket-sized prefix of a tree built one bucket larger; the calibration and
-    the policy's statistics ride on the round's one host read."""
+    verifying the best bucket-sized prefix of a tree built at the largest bucket; the
+    calibration and the policy's statistics ride on the round's one host read."""
 
     def __init__(self, policy, device, shard):
         self.policy, self.shard = policy, shard
@@ -553,7 +553,7 @@ class _AutoRounds:
         else:
             draft_logits = draft.step(bonus)
             clock.mark()
-            built = self.buckets[min(self.buckets.index(bucket) + 1, len(self.buckets) - 1)]
+            built = self.buckets[-1]  # the expected gain of every bucket, for the next choice
             full = ops.draft_tree(draft_logits, bonus, built,
                                   vocab_shard=_head_shard(self.shard, draft_logits))
             nodes = ops.expected_accepts(full).index_select(1, self.index[built])  # [B, buckets]
