@@ -252,7 +252,7 @@ def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_
     measured below 1x run plain (re-checked every REFRESH_AFTER-th), not at batch 1."""
     ms = {0: 10.0, 4: 30.0, 8: 32.0, 16: 35.0, 32: 40.0, 64: 50.0}
     smaller = {2: profile({**ms, 0: 8.0}, batch=2), 1: profile({**ms, 0: 5.0}, batch=1)}
-    policy = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, smaller=smaller)
+    policy = cost_aware.AutoBudget(profile(ms, batch=4), smaller=smaller)
     policy.start(4, 15, "cpu")
     policy.per_request = [1.0, 4.0, 4.5, 5.0, 5.0, 5.0]  # gains that look good
     # rounds 0-5: 4 or 3 live (batch 4, 10 ms), rounds 6-9: 2 live (batch 2, 8 ms) = 92 ms
@@ -271,9 +271,14 @@ def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_
     assert not refresh.plain_autoregressive(4, 15)
     # The loop reports every auto generation.
     target, drafter = tiny_target(seed=3), tiny_drafter()
-    looped = cost_aware.AutoBudget(profile(ms, batch=2), learn_costs=False)
+    looped = cost_aware.AutoBudget(profile(ms, batch=2))
     generate_batch(target, drafter, PROMPTS[:2], 12, budget="auto", policy=looped)
     assert looped.measured_speedup > 0 and looped.learned["measured_speedup"] > 0
+    # Under tensor parallelism (costs not learned) each rank's clock would decide differently.
+    ranked = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, smaller=smaller)
+    ranked.start(4, 15, "cpu")
+    ranked.observe_generation(115.0, [10, 10, 6, 3])
+    assert ranked.measured_speedup is None and "measured_speedup" not in ranked.finish([1, 1])
 
 
 def test_round_statistics_cover_the_requests_that_took_part():

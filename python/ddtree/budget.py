@@ -455,14 +455,18 @@ class AutoBudget:
         emitted rounds_needed[r] tokens after its first, so autoregressive decoding would have
         run max(rounds_needed) rounds, at each the power-of-two batch size of the requests still
         live (finished ones leave). Their estimated time over loop_ms is the speed-up drafting
-        really brought (`measured_speedup`), whatever the estimates said."""
+        really brought (`measured_speedup`), whatever the estimates said. Not under tensor
+        parallelism (learn_costs off): each rank's clock would decide differently."""
+        self.measured_speedup = None
+        if not self.learn_costs or loop_ms <= 0:
+            return
         sizes = sorted(self.smaller) + [self.initial_batch]
-        plain_ms = 0.0
-        for t in range(max(rounds_needed, default=0)):
-            live = sum(1 for n in rounds_needed if n > t)
-            size = next(s for s in sizes if s >= min(live, self.initial_batch))
-            plain_ms += self.cost(0, size)
-        self.measured_speedup = plain_ms / loop_ms if loop_ms > 0 and plain_ms > 0 else None
+        needed, live, plain_ms = sorted(rounds_needed), len(rounds_needed), 0.0
+        for t in range(max(needed, default=0)):
+            while needed[len(rounds_needed) - live] <= t:  # requests done before round t
+                live -= 1
+            plain_ms += self.cost(0, next(s for s in sizes if s >= min(live, self.initial_batch)))
+        self.measured_speedup = plain_ms / loop_ms if plain_ms > 0 else None
 
     def rate(self, bucket: int, tokens: float) -> float:
         """Tokens per millisecond of a round of `bucket` emitting `tokens`."""
