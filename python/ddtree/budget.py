@@ -461,11 +461,12 @@ class AutoBudget:
         if not self.learn_costs or loop_ms <= 0:
             return
         sizes = sorted(self.smaller) + [self.initial_batch]
+        round_ms = {s: self.cost(0, s) for s in sizes}  # once per size, not per round
         needed, live, plain_ms = sorted(rounds_needed), len(rounds_needed), 0.0
         for t in range(max(needed, default=0)):
             while needed[len(rounds_needed) - live] <= t:  # requests done before round t
                 live -= 1
-            plain_ms += self.cost(0, next(s for s in sizes if s >= min(live, self.initial_batch)))
+            plain_ms += round_ms[next(s for s in sizes if s >= min(live, self.initial_batch))]
         self.measured_speedup = plain_ms / loop_ms if plain_ms > 0 else None
 
     def rate(self, bucket: int, tokens: float) -> float:
@@ -486,8 +487,8 @@ class AutoBudget:
         default each request's running estimate; or, without remaining tokens, per bucket
         (tokens per ms against an autoregressive round's)."""
         i = self.buckets.index(bucket)
-        if expected is None and self.remaining:
-            expected = {r: self.by_request.get(r, self.per_request) for r in self.remaining}
+        if expected is None:
+            expected = self._estimates()
         if isinstance(expected, dict):
             live = [r for r in expected if r in self.remaining]
             if live:
@@ -497,6 +498,13 @@ class AutoBudget:
             expected = self.per_request
         expected = self.per_request if expected is None else expected
         return self.rate(bucket, expected[i]) / max(1e-12, self.rate(0, expected[0]))
+
+    def _estimates(self):
+        """Each live request's running estimate (request id -> per bucket) when the remaining
+        tokens are known, else the batch's per-request average (per bucket)."""
+        if self.remaining:
+            return {r: self.by_request.get(r, self.per_request) for r in self.remaining}
+        return self.per_request
 
     def _best_tree(self, expected=None) -> int:
         """The tree bucket of most expected speed-up (speedup)."""
@@ -510,9 +518,10 @@ class AutoBudget:
         if self.never_drafts(self.depth):  # both sides scale with the live requests
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
-            tree = self._best_tree()
+            estimates = self._estimates()  # once per round, for every bucket
+            tree = self._best_tree(estimates)
             drafting = self.since_draft == 0 and self.in_run
-            if self._pays(tree, factor=self.stay if drafting else self.hurdle):
+            if self._pays(tree, estimates, self.stay if drafting else self.hurdle):
                 choice, why = tree, "best expected tokens/s"
             elif self.since_draft >= max(self.wait, self._least_wait(tree)):
                 choice, why = tree, "probe"
