@@ -3,6 +3,7 @@ drafter's deferred context, dense and hybrid targets, batches, sampling), the dr
 after autoregressive rounds, the policy's choices against a cost profile, the cost profile's
 measurement and disk cache, and the calibration of predicted against observed tokens."""
 import json
+import statistics
 
 import pytest
 import torch
@@ -423,30 +424,44 @@ def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
     assert not cost_aware.auto_policy(target, drafter, 4, at4).learn_costs  # tensor parallel
 
 
-def test_round_cost_counts_the_rounds_of_the_whole_batch(monkeypatch, tmp_path):
-    """A round's cost is the call's time after its warm-up over the rounds the loop ran — those
-    of its longest request, not of the first one; calibration's requests share one prompt, so
-    every timed round is a round of the whole batch."""
-    from ddtree.generate import GenerationResult
-
-    short = GenerationResult([1] * 10, [1] * 10, 1.0, warmup_seconds=0.1, warmup_rounds=1)
-    long = GenerationResult([1] * 20, [1] * 20, 1.0, warmup_seconds=0.1, warmup_rounds=1)
-    assert cost_aware.FixedBucket.ms_per_round([short, long]) == pytest.approx(900 / 19)
-    assert cost_aware.FixedBucket.ms_per_round(short) == pytest.approx(900 / 9)
+def test_calibration_times_the_warm_rounds_of_the_whole_batch(monkeypatch, tmp_path):
+    """calibrate times rounds of the whole batch (its requests share one prompt, so none leaves
+    early) after their warm-up (the rounds the loop reports to observe_cost), and a bucket's
+    cost is the median of those rounds over every repeat."""
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
     import ddtree.generate as loop
 
-    sizes, real = [], loop.generate_batch
+    sizes, timed, real = [], {}, loop.generate_batch
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sizes.extend(s for r in out for s in r.round_batch_sizes)
+        policy = kwargs["policy"]
+        timed.setdefault(policy.bucket, []).extend(policy.round_ms)
         return out
 
     monkeypatch.setattr(loop, "generate_batch", recording)
-    cost_aware.calibrate(tiny_target(seed=3), tiny_drafter(), 3, rounds=2, repeats=1,
-                         progress=False)
+    measured = cost_aware.calibrate(tiny_target(seed=3), tiny_drafter(), 3, rounds=2,
+                                    repeats=2, progress=False)
     assert sizes and set(sizes) == {3}
+    assert set(timed) == set(cost_aware.BUCKETS) and all(timed.values())
+    assert measured.round_ms[0] == statistics.median(timed[0])
+    trees = sorted(b for b in timed if b)
+    fit = cost_aware.non_decreasing([statistics.median(timed[b]) for b in trees],
+                                    [len(timed[b]) for b in trees])
+    assert [measured.round_ms[b] for b in trees] == pytest.approx(fit)
+
+
+def test_tree_costs_are_fitted_non_decreasing():
+    """Pool adjacent violators, weighted: an inversion is replaced by the weighted mean of the
+    run; an increasing sequence is kept as is."""
+    fit = cost_aware.non_decreasing
+    assert fit([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
+    assert fit([16.1, 17.9, 19.8, 19.1, 32.0], [1, 1, 1, 1, 1]) == \
+        pytest.approx([16.1, 17.9, 19.45, 19.45, 32.0])
+    assert fit([5.0, 3.0, 1.0], [1, 1, 2]) == pytest.approx([2.5, 2.5, 2.5])
+    assert fit([4.0, 2.0], [3, 1]) == pytest.approx([3.5, 3.5])
+    assert fit([2.0, 1.0, 9.0, 3.0], [1, 1, 1, 1]) == pytest.approx([1.5, 1.5, 6.0, 6.0])
 
 
 def test_round_costs_follow_the_measured_round_times():

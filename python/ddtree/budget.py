@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import threading
 import time
 import weakref
@@ -116,8 +117,12 @@ class CostProfile:
         return cls(**d)
 
 
+# How calibrate measures: part of the cache key, so profiles measured another way are not reused.
+CALIBRATION_METHOD = "median of warm rounds, monotone trees"
+
+
 def cache_key(target: str, drafter: str, device: str, dtype: str, version: str, batch: int) -> str:
-    text = json.dumps([target, drafter, device, dtype, version, batch])
+    text = json.dumps([target, drafter, device, dtype, version, batch, CALIBRATION_METHOD])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -159,14 +164,18 @@ def save_profile(profile: CostProfile) -> Path:
 
 
 def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rounds: int = 6,
-              repeats: int = 2, prompt_len: int = 48, progress: bool = True,
+              repeats: int = 3, prompt_len: int = 48, progress: bool = True,
               use_cache: bool = True) -> CostProfile:
     """The cost profile of `batch` requests: for each bucket, `repeats` short greedy generations
     of random prompts in which every round verifies that bucket (the loop of budget="auto"),
-    timed after their warm-up; the buckets interleaved within each repeat (the order alternating,
-    so a slow spell of the machine hits every bucket alike) and the fastest repeat counts. Cached
-    on disk per architecture (target and drafter) / device / dtype / library version / batch
-    size (use_cache=False measures again)."""
+    the buckets interleaved within each repeat (the order alternating, so a slow spell of the
+    machine hits every bucket alike). A bucket's cost is the median wall time of its rounds
+    after their warm-up (the rounds the loop reports to observe_cost), over every repeat: one
+    slow round or repeat moves it little. Tree buckets' costs are then made non-decreasing in
+    the bucket (`non_decreasing`): a round verifying more tree rows does the same work and more,
+    so an inversion is measurement noise — and would steer every choice to the larger tree.
+    Cached on disk per architecture (target and drafter) / device / dtype / library version /
+    batch size (use_cache=False measures again)."""
     if use_cache:
         cached = load_profile(target, drafter, batch)
         if cached is not None and set(buckets) <= set(cached.round_ms):
@@ -186,20 +195,26 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
         bar = tqdm(total=len(buckets) * repeats, desc=f"ddtree calibrate (batch {batch})",
                    leave=False, file=None)
     buckets = list(buckets)
-    round_ms = {bucket: math.inf for bucket in buckets}
+    times: Dict[int, List[float]] = {bucket: [] for bucket in buckets}
     for repeat in range(repeats):
         for bucket in (buckets if repeat % 2 == 0 else buckets[::-1]):
             policy = FixedBucket(bucket)
-            out = generate_batch(target, drafter, prompts, (rounds + 2) * (1 + min(bucket, 1) * 3),
-                                 budget="auto", policy=policy)
-            round_ms[bucket] = min(round_ms[bucket], policy.ms_per_round(out))
+            # About 4 tokens a drafted round on these prompts: ~`rounds` rounds (more for an
+            # autoregressive round, the cheapest, whose cost every choice is weighed against).
+            generate_batch(target, drafter, prompts, (rounds + 2) * 4, budget="auto",
+                           policy=policy)
+            times[bucket] += policy.round_ms
             if bar is not None:
                 bar.update(1)
-    for bucket, best in round_ms.items():
-        if not math.isfinite(best):
-            raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
     if bar is not None:
         bar.close()
+    for bucket, measured in times.items():
+        if not measured:
+            raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
+    trees = [b for b in buckets if b > 0]
+    round_ms = {bucket: statistics.median(measured) for bucket, measured in times.items()}
+    round_ms.update(zip(sorted(trees), non_decreasing(
+        [round_ms[b] for b in sorted(trees)], [len(times[b]) for b in sorted(trees)])))
     round_ms = _same_on_every_rank(round_ms)
     profile = CostProfile(batch=batch, round_ms=round_ms, measured_at=time.time(),
                           seconds=round(time.perf_counter() - started, 2),
@@ -207,6 +222,19 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     if use_cache:
         save_profile(profile)
     return profile
+
+
+def non_decreasing(values: Sequence[float], weights: Sequence[float]) -> List[float]:
+    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators):
+    where a value falls below the one before it, the run of them is replaced by its weighted
+    mean."""
+    blocks: List[List[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [m for m, _, n in blocks for _ in range(n)]
 
 
 def _world_size() -> int:
@@ -243,11 +271,16 @@ class RoundStats:
 
 class FixedBucket:
     """Every round verifies one bucket (the calibration's policy, and a fixed budget on the auto
-    loop). Records the round times."""
+    loop). Records the round times (observe_cost: the loop reports the rounds after the
+    warm-up)."""
 
     def __init__(self, bucket: int, prior: Optional[dict] = None):
         self.bucket, self.prior = bucket, prior
         self.choices: List[int] = []
+        self.round_ms: List[float] = []  # wall time of each round after the warm-up
+
+    def observe_cost(self, bucket: int, ms: float) -> None:
+        self.round_ms.append(ms)
 
     def calibration_prior(self) -> Optional[List[float]]:
         return self.prior.get("calibration") if self.prior else None
@@ -265,16 +298,6 @@ class FixedBucket:
 
     def observe(self, stats: Optional[RoundStats]) -> None:
         pass
-
-    @staticmethod
-    def ms_per_round(results) -> float:
-        """Milliseconds per round after the warm-up of one generate_batch call (its results):
-        the loop runs until its longest request is done, so its rounds are that request's."""
-        results = results if isinstance(results, (list, tuple)) else [results]
-        rounds = max(len(r.acceptance_lengths) for r in results) - results[0].warmup_rounds
-        if rounds <= 0:
-            return math.inf
-        return 1e3 * (results[0].seconds - results[0].warmup_seconds) / rounds
 
 
 @dataclass
