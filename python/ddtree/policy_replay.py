@@ -1,0 +1,220 @@
+"""budget="auto"'s policy replayed on recorded drafts, without a clock (batch 1, greedy).
+
+A greedy generation is fixed by its prompt, so the draft at each position is too: with the
+target's greedy continuation, `record_drafts` stores for every position (tokens emitted so far)
+what a round of each bucket would emit there and the drafter's expected accepted nodes of that
+bucket's tree. `replay` then runs a policy (the real AutoBudget, Calibration and RoundStats) over
+those positions, each round pricing its bucket from a cost profile: the rounds any policy would
+run, and their cost, with no machine noise. Policy changes are compared on identical drafts and
+costs, and on cost regimes this machine does not have (verify nearly free, as on a GPU at small
+batch, or dear). Round costs are the profile's: switching between autoregressive and drafted
+rounds (the drafter's deferred context) is not priced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import budget as cost_aware
+from . import ops
+
+
+@dataclass
+class DraftRecord:
+    """One prompt's drafts. Row k - 1 is the position where k tokens have been emitted (token
+    k - 1, the bonus, is the tree's root): expected[k - 1][i] = the drafter's expected accepted
+    nodes of the best buckets[i]-node tree, emitted[k - 1][i] = tokens a round of buckets[i]
+    emits there (accepted nodes + the bonus; 1 for bucket 0)."""
+    buckets: List[int]
+    depth: int
+    expected: List[List[float]]
+    emitted: List[List[int]]
+
+    def to_json(self) -> dict:
+        return dict(buckets=self.buckets, depth=self.depth,
+                    expected=[[round(x, 4) for x in row] for row in self.expected],
+                    emitted=self.emitted)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DraftRecord":
+        return cls(**d)
+
+
+def _emitted(node_tokens: List[int], parents: List[int], depths: List[int], num_nodes: int,
+             continuation: List[int], buckets: Sequence[int]) -> List[int]:
+    """Tokens a greedy verify of each bucket's prefix tree emits: a node is accepted when its
+    parent is and its token is the target's greedy token at its depth (continuation[d - 1])."""
+    accepted = [True] + [False] * (len(node_tokens) - 1)
+    deepest = [0] * len(node_tokens)  # over rows 0..i
+    for i in range(1, len(node_tokens)):
+        d = depths[i]
+        accepted[i] = i < num_nodes and accepted[parents[i]] and d <= len(continuation) and \
+            node_tokens[i] == continuation[d - 1]
+        deepest[i] = max(deepest[i - 1], d if accepted[i] else 0)
+    return [1 + deepest[min(b, len(node_tokens) - 1)] for b in buckets]
+
+
+@torch.no_grad()
+def record_drafts(target, drafter, prompt: torch.Tensor, new_tokens: int,
+                  buckets: Sequence[int] = cost_aware.BUCKETS) -> DraftRecord:
+    """The drafts of one prompt (1-D token ids) at every position of its greedy continuation of
+    `new_tokens` tokens: the target's hidden states of prompt + continuation come from one
+    forward; at each position a fresh draft state over the rows before it drafts a block, and
+    build_tree makes the tree of the largest bucket (what an auto round builds)."""
+    from .generate import generate_batch
+
+    depth = drafter.block_size - 1
+    tokens = generate_batch(target, None, [prompt], new_tokens + depth,
+                            mode="autoregressive")[0].tokens
+    seq = torch.cat([prompt.reshape(-1), torch.tensor(tokens[:-1], dtype=torch.long)])
+    hidden = target(input_ids=seq[None], output_hidden_states=True).hidden_states
+    largest, p = max(buckets), prompt.numel()
+    expected, emitted = [], []
+    for k in range(1, new_tokens):
+        rows = tuple(h[:, : p + k - 1] for h in hidden)
+        state = drafter.begin(target, [rows], p + k + 2 * depth + 1)
+        root = torch.tensor([tokens[k - 1]])
+        tree = ops.draft_tree(state.step(root), root, largest)
+        nodes = ops.expected_accepts(tree)[0].tolist()
+        expected.append([nodes[min(b, len(nodes) - 1)] for b in buckets])
+        emitted.append(_emitted(tree.node_tokens[0].tolist(), tree.parents[0].tolist(),
+                                tree.depths[0].tolist(), int(tree.num_nodes[0]), tokens[k:],
+                                buckets))
+    return DraftRecord(list(buckets), depth, expected, emitted)
+
+
+@dataclass
+class Replayed:
+    """One replayed generation: its rounds' buckets, tokens emitted per round, priced time."""
+    choices: List[int]
+    emitted: List[int]
+    ms: float
+
+
+def replay(record: DraftRecord, costs: Dict[int, float], policy,
+           calibration: Optional[cost_aware.Calibration] = None) -> Replayed:
+    """Runs `policy` (AutoBudget, FixedBucket or anything with choose / observe) over the
+    record's positions as the auto loop would at batch 1: the round's bucket from the policy; a
+    drafted round's calibrated expected tokens (1 + nodes x calibration ratio) for every bucket
+    as its statistics, the calibration updated with the verified bucket's prediction and what it
+    emitted; remaining tokens before each choice. The record's positions bound the generation
+    (new_tokens of record_drafts)."""
+    buckets = record.buckets
+    calibration = calibration or cost_aware.Calibration("cpu")
+    policy.start(1, record.depth, "cpu")
+    total = len(record.emitted) + 1
+    k, out = 1, Replayed([], [], 0.0)
+    if hasattr(policy, "observe_remaining"):
+        policy.observe_remaining({0: total - k})
+    while k < total:
+        bucket = policy.choose()
+        column = buckets.index(bucket)
+        stats = None
+        n = record.emitted[k - 1][column]
+        if bucket > 0:
+            nodes = torch.tensor([record.expected[k - 1]])
+            expected = (1.0 + nodes * calibration.ratio())[0].tolist()
+            calibration.update(nodes[:, column], torch.tensor([n]))
+            stats = cost_aware.RoundStats(expected=expected, live=1,
+                                          predicted=[expected[column]], per_row=[expected],
+                                          requests=[0])
+        k += n
+        out.choices.append(bucket)
+        out.emitted.append(n)
+        out.ms += costs[bucket]
+        if hasattr(policy, "observe_cost"):
+            policy.observe_cost(bucket, costs[bucket])
+        if hasattr(policy, "observe_remaining"):
+            policy.observe_remaining({0: total - k} if k < total else {})
+        policy.observe(stats)
+    return out
+
+
+def replay_all(records: Sequence[DraftRecord], costs: Dict[int, float],
+               make_policy: Callable[[Optional[dict]], object]) -> List[Replayed]:
+    """The records as consecutive generations, handled as generate_batch handles them:
+    make_policy(prior) builds each one's policy from what the one before learned (the
+    calibration's sums included); a generation its policy makes plain autoregressive
+    (plain_autoregressive) runs bucket 0 throughout; a drafting one reports its time
+    (observe_generation) before finish."""
+    learned, out = None, []
+    for record in records:
+        policy = make_policy(learned)
+        if hasattr(policy, "plain_autoregressive") and \
+                policy.plain_autoregressive(1, record.depth):
+            out.append(replay(record, costs, cost_aware.FixedBucket(0)))
+            policy.record_autoregressive(len(out[-1].choices))
+            learned = policy.learned
+            continue
+        prior = policy.calibration_prior() if hasattr(policy, "calibration_prior") else None
+        calibration = cost_aware.Calibration("cpu", sums=prior)
+        out.append(replay(record, costs, policy, calibration))
+        if hasattr(policy, "observe_generation"):
+            policy.observe_generation(out[-1].ms, [len(record.emitted)])
+        learned = policy.finish(calibration.sums.tolist()) if hasattr(policy, "finish") else None
+    return out
+
+
+def auto(costs: Dict[int, float], **kwargs) -> Callable[[Optional[dict]], object]:
+    """make_policy for replay_all: AutoBudget on `costs` (each round reports its exact cost, so
+    the learned cost ratios stay 1)."""
+    profile = cost_aware.CostProfile(batch=1, round_ms=dict(costs), target="replay",
+                                     drafter="replay", device="replay", dtype="replay",
+                                     version="replay")
+    return lambda prior: cost_aware.AutoBudget(profile, prior=prior, **kwargs)
+
+
+def speedups(records: Sequence[DraftRecord], costs: Dict[int, float],
+             make_policy: Optional[Callable] = None) -> Dict[str, float]:
+    """Tokens per ms over autoregressive decoding's, all records together: 'auto' (make_policy,
+    default AutoBudget), each fixed bucket ('tree N'), and 'best fixed per prompt' (an oracle
+    that knows each prompt's best fixed bucket in advance)."""
+    make_policy = make_policy or auto(costs)
+    fixed = {b: replay_all(records, costs, lambda prior, b=b: cost_aware.FixedBucket(b))
+             for b in records[0].buckets}
+    plain = sum(r.ms for r in fixed[0])
+    out = {"auto": plain / sum(r.ms for r in replay_all(records, costs, make_policy))}
+    out.update({f"tree {b}": plain / sum(r.ms for r in runs) for b, runs in fixed.items() if b})
+    out["best fixed per prompt"] = plain / sum(
+        min(fixed[b][i].ms for b in fixed) for i in range(len(records)))
+    return out
+
+
+def main(argv=None) -> int:
+    """python -m ddtree.policy_replay [--prompts 16] [--new-tokens 96] [--out F]: records the
+    embedded pair's drafts on held-out prompts (the data of tests/test_policy_replay.py) and
+    prints the replayed speed-ups of auto and the fixed trees under a cost profile (default:
+    the batch-1 profile measured on this machine)."""
+    import argparse
+    import json
+
+    from . import embedded
+
+    parser = argparse.ArgumentParser(prog="python -m ddtree.policy_replay")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--out", default=None, help="write the records (JSON) here")
+    parser.add_argument("--costs", default=None,
+                        help='JSON {"0": ms, "4": ms, ...}; default: calibrate batch 1 here')
+    args = parser.parse_args(argv)
+    target, drafter, tokenizer = embedded.load()
+    records = []
+    for text in embedded.heldout_prompts(args.prompts):
+        prompt = tokenizer(text, return_tensors="pt").input_ids[0]
+        records.append(record_drafts(target, drafter, prompt, args.new_tokens))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(pair="embedded", new_tokens=args.new_tokens,
+                           records=[r.to_json() for r in records]), f, separators=(",", ":"))
+    costs = {int(k): float(v) for k, v in json.loads(args.costs).items()} if args.costs else \
+        cost_aware.calibrate(target, drafter, 1).round_ms
+    print("round cost (ms): " + ", ".join(f"{b}: {ms:.2f}" for b, ms in sorted(costs.items())))
+    for name, value in speedups(records, costs).items():
+        print(f"{name:>22s}  {value:.3f}x autoregressive")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
