@@ -358,9 +358,27 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     never = profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, batch=1)
     assert cost_aware.AutoBudget(never).plain_autoregressive(1, 15)
     # What earlier generations measured counts: trees profiled as paying, measured at 10x.
-    measured = {0: 1.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0}
+    measured = {0: 1.0, 1: 10.0}  # kinds of round: autoregressive, drafted
     learned = cost_aware.AutoBudget(alone, prior={"cost_ratios": {1: measured}})
     assert learned.plain_autoregressive(1, 15)
+
+
+def test_tree_buckets_share_one_measured_cost_ratio():
+    """A slow spell while tree 16 runs must not make it look dear for good: the ratio is shared,
+    so rounds of tree 32 measured at their profile bring tree 16's cost back too, and the
+    profile's order of the tree buckets holds whatever was measured (with a ratio per bucket,
+    16 stayed at twice its profile once 32 ran instead)."""
+    costs = profile({0: 10.0, 4: 12.0, 8: 13.0, 16: 14.0, 32: 15.0, 64: 16.0})
+    policy = cost_aware.AutoBudget(costs, cost_smoothing=0.5)
+    policy.start(1, 15, "cpu")
+    for _ in range(8):
+        policy.observe_cost(16, 28.0)  # a slow spell: twice the profile
+    assert policy.cost(32) == pytest.approx(30.0, rel=0.01)
+    for _ in range(8):
+        policy.observe_cost(32, 15.0)
+    assert policy.cost(16) == pytest.approx(14.0, rel=0.01)
+    assert [policy.cost(b) for b in (4, 8, 16, 32, 64)] == sorted(
+        policy.cost(b) for b in (4, 8, 16, 32, 64))
 
 
 def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
@@ -466,10 +484,11 @@ def test_tree_costs_are_fitted_non_decreasing():
 
 def test_round_costs_follow_the_measured_round_times():
     """observe_cost: a bucket's cost becomes the profile's times a running ratio of measured to
-    profiled time; buckets that have not run take the mean ratio of those that have; the choice
-    follows (trees profiled as paying, measured at about 4x their profile, stop paying), and the
-    next generation starts from the measured costs. The loop
-    reports warm rounds only: every reported bucket ran before at that batch size."""
+    profiled time, one ratio for autoregressive rounds and one for all tree buckets (before a
+    kind has run, the other kind's); the choice follows (trees profiled as paying, measured at
+    about 4x their profile, stop paying), and the next generation starts from the measured
+    costs. The loop reports warm rounds only: every reported bucket ran before at that batch
+    size."""
     costs = profile({0: 10.0, 4: 12.0, 8: 13.0, 16: 14.0, 32: 15.0, 64: 16.0})
     policy = cost_aware.AutoBudget(costs, cost_smoothing=0.5)
     policy.start(1, 15, "cpu")
@@ -481,7 +500,8 @@ def test_round_costs_follow_the_measured_round_times():
     for _ in range(6):
         policy.observe_cost(16, 56.0)
     assert policy.cost(16) == pytest.approx(56.0, rel=0.03)
-    assert policy.cost(64) == pytest.approx(16.0 * (1.2 + policy.cost_ratios[1][16]) / 2)
+    assert policy.cost(64) == pytest.approx(16.0 * policy.cost_ratios[1][1])
+    assert policy.cost(64) / policy.cost(16) == pytest.approx(16.0 / 14.0)
     for _ in range(6):
         policy.observe_cost(4, 48.0)
     assert policy.choose() == 0

@@ -321,8 +321,9 @@ class AutoBudget:
     max_wait: int = 64
     # Round costs corrected by the rounds' own wall time (observe_cost): the profile is measured
     # on short contexts at one moment; real rounds run on other contexts and a machine whose
-    # speed drifts. cost(b) = profile cost * a running ratio of measured to profiled time. Off
-    # under tensor parallelism (auto_policy): each rank's clock would choose differently.
+    # speed drifts. cost(b) = profile cost * a running ratio of measured to profiled time, one
+    # ratio for autoregressive rounds and one shared by every tree bucket (`_kind`). Off under
+    # tensor parallelism (auto_policy): each rank's clock would choose differently.
     learn_costs: bool = True
     cost_smoothing: float = 0.25
     # A probe that does not pay costs its round minus an autoregressive one; the longest wait
@@ -359,7 +360,8 @@ class AutoBudget:
         # (observe_remaining): a batch's generation lasts until its slowest request is done.
         self.by_request: Dict[int, List[float]] = {}
         self.remaining: Dict[int, int] = {}
-        # batch size -> bucket -> measured / profiled round time (earlier generations' too)
+        # batch size -> kind of round (_kind) -> measured / profiled round time (earlier
+        # generations' too)
         self.cost_ratios: Dict[int, Dict[int, float]] = {
             int(b): {int(k): v for k, v in r.items()}
             for b, r in ((self.prior or {}).get("cost_ratios") or {}).items()}
@@ -449,28 +451,39 @@ class AutoBudget:
         self.profile = self.smaller.get(batch, self.profile)
         # Until this size's own rounds are timed, the larger batch's measured ratios stand in
         # (same generation, same contexts).
-        for bucket, ratio in self.cost_ratios.get(before, {}).items():
-            self.cost_ratios.setdefault(self.profile.batch, {}).setdefault(bucket, ratio)
+        for kind, ratio in self.cost_ratios.get(before, {}).items():
+            self.cost_ratios.setdefault(self.profile.batch, {}).setdefault(kind, ratio)
+
+    @staticmethod
+    def _kind(bucket: int) -> int:
+        """The measured cost ratio a bucket's rounds share: 0 for autoregressive rounds, 1 for
+        drafted ones. Tree buckets share one: their rounds differ only in the verified rows,
+        whose relative cost the profile holds (medians of many rounds); a ratio per bucket was
+        corrected only for the bucket that ran, so one slow spell during a bucket's rounds made
+        it look dear next to a bucket that then ran instead and was never timed again."""
+        return 0 if bucket == 0 else 1
 
     def observe_cost(self, bucket: int, ms: float) -> None:
         """The wall time of a round of `bucket` (the generate loop reports rounds without a
-        warm-up or graph capture in them): updates that bucket's measured / profiled ratio."""
+        warm-up or graph capture in them): updates its kind's measured / profiled ratio."""
         if not self.learn_costs or not ms > 0:
             return
         ratios = self.cost_ratios.setdefault(self.profile.batch, {})
         ratio = ms / max(1e-9, self.profile.round_ms[bucket])
-        old = ratios.get(bucket)
+        kind = self._kind(bucket)
+        old = ratios.get(kind)
         a = self.cost_smoothing
-        ratios[bucket] = ratio if old is None else a * ratio + (1 - a) * old
+        ratios[kind] = ratio if old is None else a * ratio + (1 - a) * old
 
     def cost(self, bucket: int, batch: Optional[int] = None) -> float:
         """Milliseconds of a round of `bucket` at the current batch size (or `batch`, one with a
-        profile): the profile's, times the bucket's measured ratio at that size (or, before the
-        bucket has run, the mean ratio of those that have)."""
+        profile): the profile's, times its kind's measured ratio at that size (or, before a
+        round of that kind has run, the other kind's)."""
         profile = self.profile if batch is None else \
             {p.batch: p for p in [self.profile, *self.smaller.values()]}.get(batch, self.profile)
         ratios = self.cost_ratios.get(profile.batch, {}) if self.learn_costs else {}
-        ratio = ratios.get(bucket, sum(ratios.values()) / len(ratios) if ratios else 1.0)
+        ratio = ratios.get(self._kind(bucket),
+                           sum(ratios.values()) / len(ratios) if ratios else 1.0)
         return profile.round_ms[bucket] * ratio
 
     def observe_generation(self, loop_ms: float, rounds_needed: Sequence[int]) -> None:
