@@ -444,8 +444,9 @@ def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
 
 def test_calibration_times_the_warm_rounds_of_the_whole_batch(monkeypatch, tmp_path):
     """calibrate times rounds of the whole batch (its requests share one prompt, so none leaves
-    early) after their warm-up (the rounds the loop reports to observe_cost), and a bucket's
-    cost is the median of those rounds over every repeat."""
+    early) after their warm-up (the rounds the loop reports to observe_cost), the tree buckets
+    cycled round by round in one generation, and a bucket's cost is the median of its rounds
+    over every repeat."""
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
     import ddtree.generate as loop
 
@@ -454,8 +455,8 @@ def test_calibration_times_the_warm_rounds_of_the_whole_batch(monkeypatch, tmp_p
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sizes.extend(s for r in out for s in r.round_batch_sizes)
-        policy = kwargs["policy"]
-        timed.setdefault(policy.bucket, []).extend(policy.round_ms)
+        for bucket, ms in kwargs["policy"].times.items():
+            timed.setdefault(bucket, []).extend(ms)
         return out
 
     monkeypatch.setattr(loop, "generate_batch", recording)
@@ -468,6 +469,18 @@ def test_calibration_times_the_warm_rounds_of_the_whole_batch(monkeypatch, tmp_p
     fit = cost_aware.non_decreasing([statistics.median(timed[b]) for b in trees],
                                     [len(timed[b]) for b in trees])
     assert [measured.round_ms[b] for b in trees] == pytest.approx(fit)
+
+
+def test_calibration_cycles_the_tree_buckets_round_by_round():
+    """CyclingBuckets: round i verifies buckets[i mod n] (the loop follows it), and the times the
+    loop reports land under their bucket."""
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    policy = cost_aware.CyclingBuckets([4, 16, 64])
+    results = generate_batch(target, drafter, PROMPTS[:1], 20, budget="auto", policy=policy)
+    rounds = results[0].round_budgets
+    assert rounds == [[4, 16, 64][i % 3] for i in range(len(rounds))] and len(rounds) > 6
+    assert sum(map(len, policy.times.values())) == len(policy.round_ms) > 0
+    assert all(policy.times[b] for b in (4, 16, 64))
 
 
 def test_tree_costs_are_fitted_non_decreasing():

@@ -118,7 +118,7 @@ class CostProfile:
 
 
 # How calibrate measures: part of the cache key, so profiles measured another way are not reused.
-CALIBRATION_METHOD = "median of warm rounds, monotone trees"
+CALIBRATION_METHOD = "median of warm rounds, tree buckets cycled per round, monotone"
 
 
 def cache_key(target: str, drafter: str, device: str, dtype: str, version: str, batch: int) -> str:
@@ -166,16 +166,17 @@ def save_profile(profile: CostProfile) -> Path:
 def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rounds: int = 6,
               repeats: int = 3, prompt_len: int = 48, progress: bool = True,
               use_cache: bool = True) -> CostProfile:
-    """The cost profile of `batch` requests: for each bucket, `repeats` short greedy generations
-    of random prompts in which every round verifies that bucket (the loop of budget="auto"),
-    the buckets interleaved within each repeat (the order alternating, so a slow spell of the
-    machine hits every bucket alike). A bucket's cost is the median wall time of its rounds
+    """The cost profile of `batch` requests: per repeat, two short greedy generations of a
+    random prompt on the loop of budget="auto", one of autoregressive rounds and one whose
+    rounds cycle through the tree buckets (CyclingBuckets: adjacent buckets' costs differ by a
+    few per cent, and a slow spell of the machine then hits every tree bucket alike), their
+    order alternating between repeats. A bucket's cost is the median wall time of its rounds
     after their warm-up (the rounds the loop reports to observe_cost), over every repeat: one
     slow round or repeat moves it little. Tree buckets' costs are then made non-decreasing in
     the bucket (`non_decreasing`): a round verifying more tree rows does the same work and more,
     so an inversion is measurement noise — and would steer every choice to the larger tree.
     Cached on disk per architecture (target and drafter) / device / dtype / library version /
-    batch size (use_cache=False measures again)."""
+    batch size / measuring rule (use_cache=False measures again)."""
     if use_cache:
         cached = load_profile(target, drafter, batch)
         if cached is not None and set(buckets) <= set(cached.round_ms):
@@ -192,18 +193,25 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(buckets) * repeats, desc=f"ddtree calibrate (batch {batch})",
+        bar = tqdm(total=2 * repeats, desc=f"ddtree calibrate (batch {batch})",
                    leave=False, file=None)
     buckets = list(buckets)
+    trees = sorted(b for b in buckets if b > 0)
     times: Dict[int, List[float]] = {bucket: [] for bucket in buckets}
     for repeat in range(repeats):
-        for bucket in (buckets if repeat % 2 == 0 else buckets[::-1]):
-            policy = FixedBucket(bucket)
-            # About 4 tokens a drafted round on these prompts: ~`rounds` rounds (more for an
-            # autoregressive round, the cheapest, whose cost every choice is weighed against).
-            generate_batch(target, drafter, prompts, (rounds + 2) * 4, budget="auto",
-                           policy=policy)
-            times[bucket] += policy.round_ms
+        # An autoregressive generation, and one whose rounds cycle through the tree buckets
+        # (round by round: a slow spell hits every tree bucket alike, and adjacent buckets'
+        # costs differ by a few per cent); their order alternating. About 4 tokens a drafted
+        # round on these prompts: ~`rounds` rounds per tree bucket, more autoregressive ones.
+        parts = [([0] if 0 in buckets else []), (trees if repeat % 2 == 0 else trees[::-1])]
+        for part in (parts if repeat % 2 == 0 else parts[::-1]):
+            if not part:
+                continue
+            policy = CyclingBuckets(part)
+            generate_batch(target, drafter, prompts, (rounds + 2) * 4 * len(part),
+                           budget="auto", policy=policy)
+            for bucket, measured in policy.times.items():
+                times[bucket] += measured
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -211,10 +219,9 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     for bucket, measured in times.items():
         if not measured:
             raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
-    trees = [b for b in buckets if b > 0]
     round_ms = {bucket: statistics.median(measured) for bucket, measured in times.items()}
-    round_ms.update(zip(sorted(trees), non_decreasing(
-        [round_ms[b] for b in sorted(trees)], [len(times[b]) for b in sorted(trees)])))
+    round_ms.update(zip(trees, non_decreasing([round_ms[b] for b in trees],
+                                              [len(times[b]) for b in trees])))
     round_ms = _same_on_every_rank(round_ms)
     profile = CostProfile(batch=batch, round_ms=round_ms, measured_at=time.time(),
                           seconds=round(time.perf_counter() - started, 2),
@@ -298,6 +305,24 @@ class FixedBucket:
 
     def observe(self, stats: Optional[RoundStats]) -> None:
         pass
+
+
+class CyclingBuckets(FixedBucket):
+    """Calibration's policy: rounds cycle through `buckets` (round i verifies buckets[i mod
+    n]); the wall times of the rounds after their warm-up per bucket in `times`."""
+
+    def __init__(self, buckets: Sequence[int]):
+        super().__init__(buckets[0])
+        self.cycle = list(buckets)
+        self.times: Dict[int, List[float]] = {b: [] for b in self.cycle}
+
+    def choose(self) -> int:
+        self.bucket = self.cycle[len(self.choices) % len(self.cycle)]
+        return super().choose()
+
+    def observe_cost(self, bucket: int, ms: float) -> None:
+        super().observe_cost(bucket, ms)
+        self.times[bucket].append(ms)
 
 
 @dataclass

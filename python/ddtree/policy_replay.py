@@ -66,16 +66,18 @@ def record_drafts(target, drafter, prompt: torch.Tensor, new_tokens: int,
     from .generate import generate_batch
 
     depth = drafter.block_size - 1
+    device = target.get_input_embeddings().weight.device
+    prompt = prompt.reshape(-1).to(device)
     tokens = generate_batch(target, None, [prompt], new_tokens + depth,
                             mode="autoregressive")[0].tokens
-    seq = torch.cat([prompt.reshape(-1), torch.tensor(tokens[:-1], dtype=torch.long)])
+    seq = torch.cat([prompt, torch.tensor(tokens[:-1], dtype=torch.long, device=device)])
     hidden = target(input_ids=seq[None], output_hidden_states=True).hidden_states
     largest, p = max(buckets), prompt.numel()
     expected, emitted = [], []
     for k in range(1, new_tokens):
         rows = tuple(h[:, : p + k - 1] for h in hidden)
         state = drafter.begin(target, [rows], p + k + 2 * depth + 1)
-        root = torch.tensor([tokens[k - 1]])
+        root = torch.tensor([tokens[k - 1]], device=device)
         tree = ops.draft_tree(state.step(root), root, largest)
         nodes = ops.expected_accepts(tree)[0].tolist()
         expected.append([nodes[min(b, len(nodes) - 1)] for b in buckets])
