@@ -96,13 +96,16 @@ class Replayed:
 
 
 def replay(record: DraftRecord, costs: Dict[int, float], policy,
-           calibration: Optional[cost_aware.Calibration] = None) -> Replayed:
+           calibration: Optional[cost_aware.Calibration] = None,
+           clock: Optional[Callable[[int], float]] = None) -> Replayed:
     """Runs `policy` (AutoBudget, FixedBucket or anything with choose / observe) over the
     record's positions as the auto loop would at batch 1: the round's bucket from the policy; a
     drafted round's calibrated expected tokens (1 + nodes x calibration ratio) for every bucket
     as its statistics, the calibration updated with the verified bucket's prediction and what it
-    emitted; remaining tokens before each choice. The record's positions bound the generation
-    (new_tokens of record_drafts)."""
+    emitted; remaining tokens before each choice. Rounds are priced at `costs`; the policy is
+    told clock(bucket) as each round's wall time (default: its cost; JitteredClock: a machine
+    whose speed drifts). The record's positions bound the generation (new_tokens of
+    record_drafts)."""
     buckets = record.buckets
     calibration = calibration or cost_aware.Calibration("cpu")
     policy.start(1, record.depth, "cpu")
@@ -127,7 +130,7 @@ def replay(record: DraftRecord, costs: Dict[int, float], policy,
         out.emitted.append(n)
         out.ms += costs[bucket]
         if hasattr(policy, "observe_cost"):
-            policy.observe_cost(bucket, costs[bucket])
+            policy.observe_cost(bucket, clock(bucket) if clock else costs[bucket])
         if hasattr(policy, "observe_remaining"):
             policy.observe_remaining({0: total - k} if k < total else {})
         policy.observe(stats)
@@ -135,7 +138,8 @@ def replay(record: DraftRecord, costs: Dict[int, float], policy,
 
 
 def replay_all(records: Sequence[DraftRecord], costs: Dict[int, float],
-               make_policy: Callable[[Optional[dict]], object]) -> List[Replayed]:
+               make_policy: Callable[[Optional[dict]], object],
+               clock: Optional[Callable[[int], float]] = None) -> List[Replayed]:
     """The records as consecutive generations, handled as generate_batch handles them:
     make_policy(prior) builds each one's policy from what the one before learned (the
     calibration's sums included); a generation its policy makes plain autoregressive
@@ -152,7 +156,7 @@ def replay_all(records: Sequence[DraftRecord], costs: Dict[int, float],
             continue
         prior = policy.calibration_prior() if hasattr(policy, "calibration_prior") else None
         calibration = cost_aware.Calibration("cpu", sums=prior)
-        out.append(replay(record, costs, policy, calibration))
+        out.append(replay(record, costs, policy, calibration, clock))
         if hasattr(policy, "observe_generation"):
             policy.observe_generation(out[-1].ms, [len(record.emitted)])
         learned = policy.finish(calibration.sums.tolist()) if hasattr(policy, "finish") else None
@@ -168,16 +172,36 @@ def auto(costs: Dict[int, float], **kwargs) -> Callable[[Optional[dict]], object
     return lambda prior: cost_aware.AutoBudget(profile, prior=prior, **kwargs)
 
 
+class JitteredClock:
+    """Round times of a noisy machine for replay's policy: cost x speed x jitter, the speed a
+    slow random walk (log steps of `drift`, pulled back towards 1, within [0.7, 1.5]: slow and
+    fast spells lasting many rounds) and the jitter independent per round (`jitter` standard
+    deviation). Seeded."""
+
+    def __init__(self, costs: Dict[int, float], seed: int, drift: float = 0.03,
+                 jitter: float = 0.06):
+        import random
+
+        self.costs, self.rng, self.speed = costs, random.Random(seed), 1.0
+        self.drift, self.jitter = drift, jitter
+
+    def __call__(self, bucket: int) -> float:
+        step = (1 + self.rng.gauss(0, self.drift)) * self.speed ** -0.05
+        self.speed = min(1.5, max(0.7, self.speed * step))
+        return self.costs[bucket] * self.speed * (1 + self.rng.gauss(0, self.jitter))
+
+
 def speedups(records: Sequence[DraftRecord], costs: Dict[int, float],
-             make_policy: Optional[Callable] = None) -> Dict[str, float]:
+             make_policy: Optional[Callable] = None,
+             clock: Optional[Callable[[int], float]] = None) -> Dict[str, float]:
     """Tokens per ms over autoregressive decoding's, all records together: 'auto' (make_policy,
-    default AutoBudget), each fixed bucket ('tree N'), and 'best fixed per prompt' (an oracle
-    that knows each prompt's best fixed bucket in advance)."""
+    default AutoBudget; told clock's round times), each fixed bucket ('tree N'), and 'best fixed
+    per prompt' (an oracle that knows each prompt's best fixed bucket in advance)."""
     make_policy = make_policy or auto(costs)
     fixed = {b: replay_all(records, costs, lambda prior, b=b: cost_aware.FixedBucket(b))
              for b in records[0].buckets}
     plain = sum(r.ms for r in fixed[0])
-    out = {"auto": plain / sum(r.ms for r in replay_all(records, costs, make_policy))}
+    out = {"auto": plain / sum(r.ms for r in replay_all(records, costs, make_policy, clock))}
     out.update({f"tree {b}": plain / sum(r.ms for r in runs) for b, runs in fixed.items() if b})
     out["best fixed per prompt"] = plain / sum(
         min(fixed[b][i].ms for b in fixed) for i in range(len(records)))
@@ -185,10 +209,10 @@ def speedups(records: Sequence[DraftRecord], costs: Dict[int, float],
 
 
 def main(argv=None) -> int:
-    """python -m ddtree.policy_replay [--prompts 16] [--new-tokens 96] [--out F]: records the
-    embedded pair's drafts on held-out prompts (the data of tests/test_policy_replay.py) and
-    prints the replayed speed-ups of auto and the fixed trees under a cost profile (default:
-    the batch-1 profile measured on this machine)."""
+    """python -m ddtree.policy_replay [--prompts 16] [--new-tokens 96] [--out F] [--costs JSON]
+    [--noisy-clocks N]: records the embedded pair's drafts on held-out prompts (the data of
+    tests/test_policy_replay.py) and prints the replayed speed-ups of auto and the fixed trees
+    under a cost profile (default: the batch-1 profile measured on this machine)."""
     import argparse
     import json
 
@@ -200,6 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the records (JSON) here")
     parser.add_argument("--costs", default=None,
                         help='JSON {"0": ms, "4": ms, ...}; default: calibrate batch 1 here')
+    parser.add_argument("--noisy-clocks", type=int, default=0,
+                        help="also replay auto told round times of N seeded JitteredClocks")
     args = parser.parse_args(argv)
     target, drafter, tokenizer = embedded.load()
     records = []
@@ -215,6 +241,9 @@ def main(argv=None) -> int:
     print("round cost (ms): " + ", ".join(f"{b}: {ms:.2f}" for b, ms in sorted(costs.items())))
     for name, value in speedups(records, costs).items():
         print(f"{name:>22s}  {value:.3f}x autoregressive")
+    for seed in range(args.noisy_clocks):
+        value = speedups(records, costs, clock=JitteredClock(costs, seed))["auto"]
+        print(f"{'auto, noisy clock ' + str(seed):>22s}  {value:.3f}x autoregressive")
     return 0
 
 
