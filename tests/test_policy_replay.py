@@ -50,15 +50,6 @@ def test_recorded_drafts_match_the_drafter_and_the_loop():
         assert replayed.emitted == loop.acceptance_lengths
 
 
-def test_emitted_tokens_follow_the_greedy_continuation():
-    """_emitted on a hand-made tree: root, two children (tokens 5, 6), a grandchild under 5
-    (token 7) and one under 6 (token 8); continuation 6, 8, 9: the walk takes 6 then 8."""
-    tokens, parents, depths = [1, 5, 6, 7, 8], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2]
-    emitted = policy_replay._emitted(tokens, parents, depths, 5, [6, 8, 9], [0, 1, 2, 3, 4])
-    assert emitted == [1, 1, 2, 2, 3]
-    assert policy_replay._emitted(tokens, parents, depths, 3, [6, 8, 9], [4]) == [2]  # rows 3+ padding
-
-
 def test_replay_records_a_tiny_pair():
     """record_drafts on a tiny random pair: one row per position, 1 token for bucket 0, at most
     1 + min(bucket, depth) for the others, expected nodes non-decreasing in the bucket."""

@@ -60,6 +60,11 @@ class Calibration:
     def ratio(self) -> torch.Tensor:
         return self.sums[0] / self.sums[1].clamp(min=1e-6)
 
+    def expected_tokens(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Calibrated expected tokens a round emits (the bonus + calibrated accepted nodes) from
+        the drafter's expected accepted nodes (any shape)."""
+        return 1.0 + nodes * self.ratio()
+
     def update(self, predicted: torch.Tensor, accept_len: torch.Tensor) -> None:
         """predicted [B]: the verified trees' predicted accepted nodes (0 for requests that did
         not take part); accept_len [B] (root counted; 0 for them)."""

@@ -557,7 +557,7 @@ class _AutoRounds:
             full = ops.draft_tree(draft_logits, bonus, built,
                                   vocab_shard=_head_shard(self.shard, draft_logits))
             nodes = ops.expected_accepts(full).index_select(1, self.index[built])  # [B, buckets]
-            expected = 1.0 + nodes * self.calibration.ratio()
+            expected = self.calibration.expected_tokens(nodes)
             predicted = nodes[:, self.buckets.index(bucket)]
             tree = ops.first_nodes(full, bucket)
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, committed_len)

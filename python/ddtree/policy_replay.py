@@ -42,18 +42,15 @@ class DraftRecord:
         return cls(**d)
 
 
-def _emitted(node_tokens: List[int], parents: List[int], depths: List[int], num_nodes: int,
-             continuation: List[int], buckets: Sequence[int]) -> List[int]:
-    """Tokens a greedy verify of each bucket's prefix tree emits: a node is accepted when its
-    parent is and its token is the target's greedy token at its depth (continuation[d - 1])."""
-    accepted = [True] + [False] * (len(node_tokens) - 1)
-    deepest = [0] * len(node_tokens)  # over rows 0..i
-    for i in range(1, len(node_tokens)):
-        d = depths[i]
-        accepted[i] = i < num_nodes and accepted[parents[i]] and d <= len(continuation) and \
-            node_tokens[i] == continuation[d - 1]
-        deepest[i] = max(deepest[i - 1], d if accepted[i] else 0)
-    return [1 + deepest[min(b, len(node_tokens) - 1)] for b in buckets]
+def _emitted(tree: ops.DraftTree, continuation: torch.Tensor, buckets: Sequence[int],
+             depth: int) -> List[int]:
+    """Tokens a greedy verify of each bucket's prefix tree emits (verify_greedy's accept_len:
+    accepted nodes + the bonus): the target's token at a node of depth d is continuation[d],
+    its greedy token after the node's path whenever that path is the target's own."""
+    at = tree.depths.clamp(max=continuation.numel() - 1)
+    target_tokens = continuation[at]
+    return [int(ops.verify_greedy(ops.first_nodes(tree, b), target_tokens[:, : b + 1],
+                                  depth).accept_len[0]) for b in buckets]
 
 
 @torch.no_grad()
@@ -73,6 +70,7 @@ def record_drafts(target, drafter, prompt: torch.Tensor, new_tokens: int,
     seq = torch.cat([prompt, torch.tensor(tokens[:-1], dtype=torch.long, device=device)])
     hidden = target(input_ids=seq[None], output_hidden_states=True).hidden_states
     largest, p = max(buckets), prompt.numel()
+    continuation = torch.tensor(tokens, dtype=torch.long, device=device)
     expected, emitted = [], []
     for k in range(1, new_tokens):
         rows = tuple(h[:, : p + k - 1] for h in hidden)
@@ -81,9 +79,7 @@ def record_drafts(target, drafter, prompt: torch.Tensor, new_tokens: int,
         tree = ops.draft_tree(state.step(root), root, largest)
         nodes = ops.expected_accepts(tree)[0].tolist()
         expected.append([nodes[min(b, len(nodes) - 1)] for b in buckets])
-        emitted.append(_emitted(tree.node_tokens[0].tolist(), tree.parents[0].tolist(),
-                                tree.depths[0].tolist(), int(tree.num_nodes[0]), tokens[k:],
-                                buckets))
+        emitted.append(_emitted(tree, continuation[k:], buckets, depth))
     return DraftRecord(list(buckets), depth, expected, emitted)
 
 
@@ -120,7 +116,7 @@ def replay(record: DraftRecord, costs: Dict[int, float], policy,
         n = record.emitted[k - 1][column]
         if bucket > 0:
             nodes = torch.tensor([record.expected[k - 1]])
-            expected = (1.0 + nodes * calibration.ratio())[0].tolist()
+            expected = calibration.expected_tokens(nodes)[0].tolist()
             calibration.update(nodes[:, column], torch.tensor([n]))
             stats = cost_aware.RoundStats(expected=expected, live=1,
                                           predicted=[expected[column]], per_row=[expected],
