@@ -465,12 +465,15 @@ def test_lossless_with_cuda_graph(kind):
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["all-rows", "known-new-rows"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_draft_state_proposes_what_the_host_list_step_proposes(fused):
+def test_draft_state_proposes_what_the_host_list_step_proposes(fused, told):
     """The drafter's fixed-shape loop state (prompt rows first, then the accepted rows gathered on
     the device into a [B, block_size] buffer, padded rows masked) proposes what
     the host-list drafter step (helpers.propose) proposes from the same rows, round after round,
-    including requests that bring no new row (finished)."""
+    including requests that bring no new row (finished) — also when told the most rows a
+    request accepted (known_new_rows, as the loop does after its host read: the step then reads
+    only that many feature rows; a round where none accepted any included)."""
     target = tiny_target()
     drafter = tiny_drafter()
     drafter.fused_attention = fused
@@ -488,10 +491,12 @@ def test_draft_state_proposes_what_the_host_list_step_proposes(fused):
         want = propose(drafter, target, bonus, feats, plain)
         torch.testing.assert_close(state.step(bonus), want, rtol=1e-5, atol=1e-5)
         rows = hidden(3, 12)
-        accept_len = torch.tensor([(round_ + b * 3) % 9 for b in range(3)])
+        accept_len = torch.tensor([(round_ + b * 3) % 9 for b in range(3)]) * (round_ != 2)
         accepted = torch.stack([torch.randperm(12, generator=g)[:8] for _ in range(3)])
         accepted[torch.arange(8)[None] >= accept_len[:, None]] = -1
         state.commit(rows, ddtree.Verdict(accepted, accept_len, bonus))
+        if told:
+            state.known_new_rows(int(accept_len.max()))
         f = drafter.target_features(rows)
         feats = [f[b, accepted[b, : accept_len[b]]] for b in range(3)]
     assert state.rows.committed_len.tolist() == plain.lengths

@@ -48,6 +48,8 @@ class DraftState(Protocol):
 
     # Optional: select(index [B'] int64) keeps those batch rows, in that order (finished requests
     # leave the batch). Without it the batch keeps its size to the end.
+    # Optional: known_new_rows(rows: int), after the round's host read: no request accepted more
+    # than `rows` rows in the verdict just committed (an eager step may read fewer feature rows).
 
 
 class Drafter(Protocol):
@@ -504,6 +506,13 @@ def _tree_builder(mode: str, budget: int, budgets: torch.Tensor, shard):
     return lambda logits, bonus, committed_len: root_tree(bonus, committed_len)
 
 
+def _known_new_rows(draft, rows: List[List[int]]) -> None:
+    """Tells a draft state that takes it (known_new_rows) the most rows any request accepted
+    this round: row[0] of the host copy of emitted() is the accept_len the state committed."""
+    if hasattr(draft, "known_new_rows"):
+        draft.known_new_rows(max((row[0] for row in rows), default=0))
+
+
 def _verify(clock, verifier, sampler, requests, tree, vis, committed_len):
     """The target's side of a round: the verify pass, the walk (finished requests accept
     nothing), the stage mark, the target's commit. Returns (verdict, hidden states, the round's
@@ -581,6 +590,8 @@ class _AutoRounds:
         if stats is not None:
             stats.requests = list(requests.rows)
         requests.take(rows[:batch], bucket, stats.predicted if stats else None)
+        if bucket:
+            _known_new_rows(draft, rows[:batch])
         if hasattr(self.policy, "observe_remaining"):
             self.policy.observe_remaining(requests.remaining())
         self.rounds, self.drafted = self.rounds + 1, self.drafted + (bucket > 0)
@@ -688,7 +699,9 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                                                       vis, committed_len)
             draft.commit(hidden_states, verdict)
             committed_len, bonus = committed_len + verdict.accept_len, verdict.bonus
-            requests.take(emitted.tolist(), 0 if auto_plain else None)  # the one host read
+            rows = emitted.tolist()  # the one host read
+            requests.take(rows, 0 if auto_plain else None)
+            _known_new_rows(draft, rows)
             clock.mark()
             kept = _leave_finished(requests, (draft, verifier, sampler))
             if kept is not None:

@@ -20,7 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
-    apply_rotary_pos_emb,
+    rotate_half,
 )
 
 from ..loading import text_config
@@ -120,6 +120,24 @@ def atomic_path(final: str):
             os.unlink(tmp)
 
 
+class RMSNorm(Qwen3RMSNorm):
+    """Qwen3's RMSNorm (same parameters and checkpoint names) computed by torch's one
+    `rms_norm` op instead of six elementwise ones: a draft step runs ten of them on a few rows,
+    where the op count, not the arithmetic, is the cost. Inputs of another dtype than the weight
+    keep Qwen3's order (normalise in fp32, cast, then scale)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+        return super().forward(x)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [B, heads, S, D] at cos / sin [B, S, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
@@ -129,8 +147,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
     def forward(self, x, ctx, rope_q, rope_kv, cache_kv, step: "StepRows"):
         """x [B, S, H] (normed block rows), ctx [B, C, H] new context rows (request b's first
@@ -153,8 +171,7 @@ class DFlashAttention(nn.Module):
                                   self.q_norm.variance_epsilon, context_len=rows.new_t)
             return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
         q, k, v = self.norm_rope(q, k, v, rope_q, rope_kv)
-        write_rows(cache_kv, step.context_at, k[:, :, :c], v[:, :, :c])
-        write_rows(cache_kv, step.block_at, k[:, :, c:], v[:, :, c:])
+        write_rows(cache_kv, step.at, k, v)
         return self.attend(q, cache_kv[0][:, :, : rows.key_rows], cache_kv[1][:, :, : rows.key_rows],
                            step.mask)
 
@@ -171,16 +188,14 @@ class DFlashAttention(nn.Module):
         """q/k RMSNorm + RoPE; returns q [B, Hq, S, D], k, v [B, Hkv, C + S, D]."""
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k).transpose(1, 2)
-        q, _ = apply_rotary_pos_emb(q, q, *rope_q)
-        k, _ = apply_rotary_pos_emb(k, k, *rope_kv)
-        return q, k, v.transpose(1, 2)
+        return apply_rope(q, *rope_q), apply_rope(k, *rope_kv), v.transpose(1, 2)
 
     def context_kv(self, ctx, rope):
         """Keys / values [B, Hkv, C, D] of context rows alone (k-norm + RoPE at `rope`'s
         positions): what the forward caches for them, without a block."""
         b, c, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).view(b, c, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        k, _ = apply_rotary_pos_emb(k, k, *rope)
+        k = apply_rope(k, *rope)
         return k, self.v_proj(ctx).view(b, c, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def attend(self, q, keys, values, mask):
@@ -208,45 +223,65 @@ class ContextRows:
     """Where a drafter step's new context rows go (device tensors [B]): request b has
     committed_len[b] rows in the cache and brings new_t[b] valid rows (the rest of the C rows is
     padding). The unfused path attends to the first key_rows cache rows (a host int: the loop's
-    capacity, or the longest context + block of a step driven from host lists), masked per
-    request."""
+    capacity), masked per request; the cache holds block_size rows more (padding rows land
+    there)."""
 
     def __init__(self, committed_len: torch.Tensor, new_t: torch.Tensor, key_rows: int):
         self.committed_len, self.new_t, self.key_rows = committed_len, new_t, key_rows
+        self.layouts: dict = {}
+        self.cols: Optional[torch.Tensor] = None
 
     def step(self, context_rows: int, block_rows: int, fused: bool) -> "StepRows":
-        """The step's layout, made once for every layer (unfused): the C context rows (padding
-        too) land at committed_len + j, then the block's rows at committed_len + new_t + i —
-        over the padding, which lies past the request's context — so request b's keys are its
-        first committed_len + new_t + block_rows cache rows; the next step's context rows
-        overwrite the block."""
+        """The step's layout, made once for every layer (unfused): one scatter index for the C
+        context rows and the block's rows, all distinct: valid context row j at committed_len +
+        j, the block's row i at committed_len + new_t + i, padding row j past the block (at
+        committed_len + j + block_rows) — so request b's keys are its first committed_len +
+        new_t + block_rows cache rows; the next step's context rows overwrite the block."""
+        start, new = self.committed_len[:, None], self.new_t[:, None]
+        j, offset, in_block = self._layout(context_rows, block_rows, start.device)
+        positions = start + offset + in_block * new  # context row j: + j; block row i: + new + i
         if fused:
-            return StepRows(self, True)
-        end = self.committed_len + self.new_t
-        cols = torch.arange(self.key_rows, device=end.device)
-        mask = (cols[None] < (end + block_rows)[:, None])[:, None, None]  # [B, 1, 1, key_rows]
-        return StepRows(self, False, rows_at(self.committed_len, context_rows),
-                        rows_at(end, block_rows), mask)
+            return StepRows(self, True, positions)
+        at = positions + (j >= new) * (1 - in_block) * block_rows  # padding: past the block
+        mask = (self._cols(start.device) < start + new + block_rows)[:, None, None]
+        return StepRows(self, False, positions, at[:, None, :, None], mask)
+
+    def _layout(self, context_rows: int, block_rows: int, device):
+        """Constants of a step's rows, made once per shape: j = 0 .. C + S - 1; the offset of
+        row j from the request's first new row (j; block row C + i: i); 1 on block rows."""
+        key = (context_rows, block_rows)
+        if key not in self.layouts:
+            j = torch.arange(context_rows + block_rows, device=device)
+            in_block = (j >= context_rows).long()
+            self.layouts[key] = (j, j - in_block * context_rows, in_block)
+        return self.layouts[key]
+
+    def _cols(self, device) -> torch.Tensor:
+        """0 .. key_rows - 1 (made once)."""
+        if self.cols is None or self.cols.numel() != self.key_rows:
+            self.cols = torch.arange(self.key_rows, device=device)[None]
+        return self.cols
 
 
 @dataclass
 class StepRows:
     """One drafter step's rows (ContextRows.step): the context lengths, whether the fused op
-    runs, and for the unfused path the scatter indices of the context / block rows and the key
-    mask [B, 1, 1, key_rows] (True = visible)."""
+    runs, the positions [B, C + S] of the context and block rows, and for the unfused path their
+    cache rows [B, 1, C + S, 1] (a scatter index, rows_at's layout) and the key mask
+    [B, 1, 1, key_rows] (True = visible)."""
     rows: ContextRows
     fused: bool
-    context_at: Optional[torch.Tensor] = None
-    block_at: Optional[torch.Tensor] = None
+    positions: torch.Tensor
+    at: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
 
 
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
-        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
-        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg)
 
     def forward(self, x, ctx, rope_q, rope_kv, cache_kv, step: StepRows):
@@ -313,9 +348,9 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = [int(i) for i in config.dflash_config["target_layer_ids"]]
         h = config.hidden_size
         self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_hidden_layers)])
-        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         # "auto": the fused draft_attention op on CUDA when its kernel covers dtype and head_dim;
         # True / False force it on / off (True also works on CPU, through the op's CPU path).
@@ -444,25 +479,35 @@ class DFlashDrafter(nn.Module):
         head = target.get_output_embeddings()
         return head(hidden.to(head.weight.dtype))
 
+    def rope_table(self, rows: int, device) -> tuple:
+        """(cos, sin) [rows, D] of positions 0 .. rows - 1, the values rotary_emb computes for
+        them: a step gathers its rows' instead of computing them anew."""
+        like = self.fc.weight.new_empty(0)
+        cos, sin = self.rotary_emb(like, torch.arange(rows, device=device)[None])
+        return cos[0], sin[0]
+
+    def rope_at(self, positions: torch.Tensor, like: torch.Tensor, table=None) -> tuple:
+        """(cos, sin) [B, S, D] of positions [B, S]: rows of `table` (rope_table) or computed."""
+        if table is None:
+            return self.rotary_emb(like, positions)
+        return table[0][positions], table[1][positions]
+
     def draft_block(self, target, bonus: torch.Tensor, ctx_in: torch.Tensor, rows: ContextRows,
-                    cache: DraftCache, vocab_shard=None) -> torch.Tensor:
+                    cache: DraftCache, vocab_shard=None, rope_table=None) -> torch.Tensor:
         """The device part of a drafter step (no host reads, fixed shapes): ctx_in [B, C, n*H]
         padded new feature rows, rows.committed_len / rows.new_t [B] context lengths and valid new
         rows, the cache at least max(cached) + C and rows.key_rows rows long (key_rows covers
         every request's context and block, unfused). Writes the new rows into the cache;
         returns the logits [B, block_size - 1, V] — with vocab_shard (a tensor-parallel target,
-        ddtree.distributed) only this rank's columns [B, block_size - 1, V_local].
+        ddtree.distributed) only this rank's columns [B, block_size - 1, V_local]; RoPE from
+        rope_table's rows when given (every position < its length).
         Graph-capturable on static buffers."""
-        device = bonus.device
         ctx = self.context(ctx_in)
         c = ctx.shape[1]
         x = self.block_embeddings(target, bonus).to(ctx.dtype)
-        first = (rows.committed_len + rows.new_t)[:, None]
-        pos_q = first + torch.arange(self.block_size, device=device)
-        pos_ctx = rows.committed_len[:, None] + torch.arange(c, device=device)
-        rope_kv = self.rotary_emb(x, torch.cat([pos_ctx, pos_q], 1))
-        rope_q = tuple(r[:, c:] for r in rope_kv)  # the block rows' positions are its tail
         step = rows.step(c, self.block_size, cache.fused)
+        rope_kv = self.rope_at(step.positions, x, rope_table)
+        rope_q = tuple(r[:, c:] for r in rope_kv)  # the block rows' positions are its tail
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], step)
         return self.block_logits(target, x[:, 1:], vocab_shard)
@@ -485,13 +530,18 @@ class DFlashDraftState:
         self.vocab_shard = vocab_shard(target)  # tensor-parallel target: logits of local columns
         feats = [drafter.target_features(h)[0] for h in prompt_hidden_states]  # [P_b, n*H]
         batch, device = len(feats), drafter.fc.weight.device
-        self.cache = drafter.new_cache(batch, capacity)
+        self.cache = drafter.new_cache(batch, capacity + drafter.block_size)
         self.prompt = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
         self.rows = ContextRows(torch.zeros(batch, dtype=torch.long, device=device),
                                 torch.tensor([f.shape[0] for f in feats], device=device), capacity)
         self.feats = self.prompt.new_zeros(batch, drafter.block_size, self.prompt.shape[-1])
         self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
         self.use_graph = cuda_graph
+        # RoPE of every position a step can reach (context + a block past it).
+        self.rope_table = drafter.rope_table(capacity + drafter.block_size, device)
+        # Eager steps bring only as many context rows as the last verdict accepted at most, when
+        # the loop says so (known_new_rows, from its host read); graphs keep all block_size.
+        self.new_rows: Optional[int] = None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits = None
         # Autoregressive rounds of budget="auto" (defer / catch_up): block rows committed but
@@ -514,8 +564,15 @@ class DFlashDraftState:
         self.graph = self.logits = None
 
     def _step(self):
-        return self.drafter.draft_block(self.target, self.bonus, self.feats, self.rows, self.cache,
-                                        self.vocab_shard)
+        feats = self.feats if self.use_graph or self.new_rows is None else \
+            self.feats[:, : max(1, self.new_rows)]
+        return self.drafter.draft_block(self.target, self.bonus, feats, self.rows, self.cache,
+                                        self.vocab_shard, self.rope_table)
+
+    def known_new_rows(self, rows: int) -> None:
+        """The loop's host read of the verdict just committed: no request accepted more than
+        `rows` rows (its accept_len), so an eager step reads only that many feature rows."""
+        self.new_rows = rows
 
     def step(self, bonus: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, block_size - 1, V] of the blocks starting with `bonus` [B] (this
@@ -525,7 +582,7 @@ class DFlashDraftState:
         self.block_pending = False
         if self.prompt is not None:
             logits = self.drafter.draft_block(self.target, self.bonus, self.prompt, self.rows,
-                                              self.cache, self.vocab_shard)
+                                              self.cache, self.vocab_shard, self.rope_table)
             self.prompt = None
         elif not self.use_graph:
             logits = self._step()
@@ -546,8 +603,8 @@ class DFlashDraftState:
         `rows` ([B] tensor or int) of them are real and committed_len advances by it."""
         drafter, ctx_rows = self.drafter, self.rows
         ctx = drafter.context(feats)
-        rope = drafter.rotary_emb(ctx, ctx_rows.committed_len[:, None] +
-                                  torch.arange(ctx.shape[1], device=ctx.device))
+        rope = drafter.rope_at(ctx_rows.committed_len[:, None] +
+                               torch.arange(ctx.shape[1], device=ctx.device), ctx, self.rope_table)
         at = rows_at(ctx_rows.committed_len, ctx.shape[1])
         for layer, kv in zip(drafter.layers, self.cache.layers):
             write_rows(kv, at, *layer.self_attn.context_kv(ctx, rope))
@@ -592,3 +649,4 @@ class DFlashDraftState:
         self.feats.copy_(gather_accepted(features, verdict.accepted, verdict.accept_len))
         self.rows.new_t.copy_(verdict.accept_len)
         self.block_pending = True
+        self.new_rows = None  # until the loop reads this verdict
