@@ -164,7 +164,8 @@ def propose(drafter, target, bonus: torch.Tensor, features, cache) -> torch.Tens
     as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     key_rows = max(c + n for c, n in zip(cache.lengths, new)) + drafter.block_size
     rows = ContextRows(as_t(cache.lengths), as_t(new), key_rows)
-    drafter.reserve(cache, b, max(max(cache.lengths) + ctx_in.shape[1], key_rows))
+    # padding rows of the unfused step land past the block (ContextRows.step)
+    drafter.reserve(cache, b, max(cache.lengths) + ctx_in.shape[1] + drafter.block_size)
     logits = drafter.draft_block(target, bonus, ctx_in, rows, cache)
     cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
     return logits

@@ -496,8 +496,9 @@ class DFlashDrafter(nn.Module):
                     cache: DraftCache, vocab_shard=None, rope_table=None) -> torch.Tensor:
         """The device part of a drafter step (no host reads, fixed shapes): ctx_in [B, C, n*H]
         padded new feature rows, rows.committed_len / rows.new_t [B] context lengths and valid new
-        rows, the cache at least max(cached) + C and rows.key_rows rows long (key_rows covers
-        every request's context and block, unfused). Writes the new rows into the cache;
+        rows, the cache at least max(committed_len) + C + block_size rows long and key_rows
+        covering every request's context and block (unfused; padding rows land past the
+        block). Writes the new rows into the cache;
         returns the logits [B, block_size - 1, V] — with vocab_shard (a tensor-parallel target,
         ddtree.distributed) only this rank's columns [B, block_size - 1, V_local]; RoPE from
         rope_table's rows when given (every position < its length).
