@@ -465,6 +465,31 @@ def test_lossless_with_cuda_graph(kind):
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
 
 
+def test_drafter_norm_and_rope_table_are_qwen3s():
+    """The drafter's RMSNorm (torch's rms_norm op in fp32) gives bit for bit what Qwen3's
+    RMSNorm gives, for fp32 and bf16 inputs, and the loop state's RoPE table holds exactly what
+    the rotary embedding computes at each position."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from ddtree.models.dflash import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for dim, dtype in [(64, torch.float32), (256, torch.float32), (4096, torch.float32),
+                       (128, torch.bfloat16)]:
+        ours, theirs = RMSNorm(dim, eps=1e-6).to(dtype), Qwen3RMSNorm(dim, eps=1e-6).to(dtype)
+        weight = torch.randn(dim, generator=g).to(dtype)
+        ours.weight.data.copy_(weight)
+        theirs.weight.data.copy_(weight)
+        for shape in [(1, 1, dim), (2, 16, dim), (1, 33, 4, dim)]:
+            x = (3 * torch.randn(shape, generator=g)).to(dtype)
+            assert torch.equal(ours(x), theirs(x)), (dim, dtype, shape)
+    drafter = tiny_drafter()
+    cos, sin = drafter.rope_table(40, "cpu")
+    positions = torch.tensor([[0, 7, 39], [3, 3, 20]])
+    want = drafter.rotary_emb(cos.new_empty(0), positions)
+    assert torch.equal(cos[positions], want[0]) and torch.equal(sin[positions], want[1])
+
+
 @pytest.mark.parametrize("told", [False, True], ids=["all-rows", "known-new-rows"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_draft_state_proposes_what_the_host_list_step_proposes(fused, told):
