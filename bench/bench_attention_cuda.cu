@@ -221,7 +221,7 @@ int bench_draft_attention() {
       std::vector<uint16_t> want(checked ? q.size() : 0);
       if (checked) {
         h.out = want.data();
-        cpu::draft_attention_requests(h, 0, batch);
+        cpu::draft_attention_items(h, 0, batch * hkv);
       }
       if (check_time_print("draft_attention", g, autos, d_out, want, batch, cached,
                            4.0 * batch * hq * lq * (cached + t) * d, 4.0 * batch * hkv * (cached + t) * d,

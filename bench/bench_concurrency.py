@@ -6,11 +6,17 @@ histogram per batch size, and its calibrated predicted vs observed tokens per ro
 
   python bench/bench_concurrency.py [--batches 1 2 4 16 32] [--requests 16] [--new-tokens 96]
                                     [--repeats 3] [--json F] [--plot F] [--device cpu|cuda]
+                                    [--attention ddtree|sdpa]
 
 Throughput of a batch size = all requests' generated tokens / the wall time of the
 generate_batch calls (prefill included, the same for every mode); requests = max(--requests,
 batch), held-out prompts. Auto's cost profiles (each batch size and the smaller ones it
-shrinks to as requests finish) are measured (or read from the cache) before the timed runs. On a GPU the same script runs unchanged (bench/gpu_check.sh calls it).
+shrinks to as requests finish) are measured before the timed runs (not read from the disk
+cache: a benchmark measures this build). The target verifies through --attention: "ddtree"
+(default: the tree_attention op, no dense mask; what cuda_graph=True and `ddtree generate
+--tree-attention` use) or "sdpa" (transformers' SDPA on the tree mask over the whole cache); the
+drafter runs its default path (the fused draft_attention op wherever it runs). On a GPU the same
+script runs unchanged (bench/gpu_check.sh calls it).
 """
 import argparse
 import json
@@ -22,7 +28,7 @@ import time
 import torch
 
 from ddtree import budget as cost_aware
-from ddtree import embedded
+from ddtree import embedded, hf
 from ddtree.generate import generate_batch
 
 # Auto next to autoregressive: with the order alternating between groups, the two always run
@@ -54,17 +60,20 @@ def main():
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--attention", choices=["ddtree", "sdpa"], default="ddtree")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else \
         (torch.bfloat16 if args.device == "cuda" else torch.float32)
     target, drafter, tokenizer = embedded.load(dtype=dtype, device=args.device)
+    if args.attention == "ddtree":
+        hf.use_tree_attention(target)
     texts = embedded.heldout_prompts(max(args.requests, max(args.batches)))
     prompts = [tokenizer(t, return_tensors="pt").input_ids[0].to(args.device) for t in texts]
     # Every batch size and the smaller ones it shrinks to as requests finish.
     sizes = sorted({s for b in args.batches for s in [b, *cost_aware.shrink_sizes(b)]})
     measured = {}
     for size in sizes:
-        measured[size] = cost_aware.calibrate(target, drafter, size)
+        measured[size] = cost_aware.calibrate(target, drafter, size, use_cache=False)
         print(f"cost profile, batch {size}: " + ", ".join(
             f"{b}: {ms:.1f} ms" for b, ms in sorted(measured[size].round_ms.items())),
             file=sys.stderr)
@@ -153,7 +162,9 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(dict(device=cost_aware.device_name(torch.device(args.device)),
-                           dtype=str(dtype), torch=torch.__version__, requests=args.requests,
+                           dtype=str(dtype), torch=torch.__version__, attention=args.attention,
+                           drafter_fused_attention=drafter.uses_fused_attention(),
+                           requests=args.requests,
                            new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
                            profiles={s: p.to_json() for s, p in measured.items()}), f, indent=1)
     if args.plot:

@@ -7,6 +7,10 @@ alternates between repeats) so the machine's speed drift hits both alike.
   python bench/bench_draft_step.py [--reference DIR] [--accepted 3] [--rounds 30] [--prompts 8]
                                    [--repeats 6] [--json F]
 
+Three drafters step in lockstep: ddtree's default (the fused draft_attention op wherever it
+runs, CPU included), ddtree with fused_attention=False (projections, norms, RoPE, scatter and
+SDPA as separate torch ops) and, with --reference, the published one.
+
 Inputs: held-out prompts and the target's greedy continuation of each; a step's block starts at
 the continuation's next token and brings the target features of the `accepted` rows before it
 (the accepted path of the previous round; about 3 for tree 16 on these prompts), after the
@@ -15,6 +19,7 @@ rows in, block embeddings, the drafter's layers, the target's LM head. The two d
 are compared (max |difference| printed and recorded).
 """
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -113,7 +118,10 @@ def main():
     new_tokens = args.accepted * args.rounds + drafter.block_size
     data = [continuation(target, tokenizer, t, new_tokens)
             for t in embedded.heldout_prompts(args.prompts)]
-    runs = {"ddtree": lambda *a: ddtree_steps(target, drafter, *a)}
+    unfused = copy.deepcopy(drafter)
+    unfused.fused_attention = False
+    runs = {"ddtree": lambda *a: ddtree_steps(target, drafter, *a),
+            "ddtree-unfused": lambda *a: ddtree_steps(target, unfused, *a)}
     if args.reference:
         reference = load_reference(args.reference, str(embedded.drafter_dir()))
         runs["reference"] = lambda *a: reference_steps(reference, target, *a)
@@ -124,24 +132,27 @@ def main():
         for prompt_len, ids, hidden in data:
             steps = [runs[n](prompt_len, ids, hidden, args.rounds, args.accepted) for n in names]
             for i, step in enumerate(zip(*steps)):  # lockstep: one step of each in turn
-                if len(step) == 2:
-                    max_diff = max(max_diff, (step[0][1] - step[1][1]).abs().max().item())
+                for other in step[1:]:
+                    max_diff = max(max_diff, (step[0][1] - other[1]).abs().max().item())
                 if repeat and i:  # the first step brings the prompt's rows
                     for name, (seconds, _) in zip(names, step):
                         times[name].append(seconds)
     result = dict(threads=torch.get_num_threads(), torch=torch.__version__, accepted=args.accepted,
                   rounds=args.rounds, prompts=args.prompts, repeats=args.repeats,
+                  fused_attention=drafter.uses_fused_attention(), max_logit_difference=max_diff,
                   ms={n: {k: (1e3 * v if k != "n" else v) for k, v in quantiles(t).items()}
                       for n, t in times.items()})
     for name, q in result["ms"].items():
-        print(f"{name:<10} draft step median {q['median']:.3f} ms (p25 {q['p25']:.3f}, "
+        print(f"{name:<15} draft step median {q['median']:.3f} ms (p25 {q['p25']:.3f}, "
               f"p75 {q['p75']:.3f}; {q['n']} steps)")
-    if "reference" in times:
-        ratios = quantiles([a / b for a, b in zip(times["ddtree"], times["reference"])])
-        result.update(ddtree_over_reference=ratios, max_logit_difference=max_diff)
-        print(f"ddtree / reference, paired per step: median {ratios['median']:.3f} "
-              f"(p25 {ratios['p25']:.3f}, p75 {ratios['p75']:.3f}); max |logit difference| "
-              f"{max_diff:.2e}")
+    pairs = [("ddtree", "ddtree-unfused")] + \
+        [(n, "reference") for n in ("ddtree", "ddtree-unfused") if "reference" in times]
+    for name, base in pairs:
+        ratios = quantiles([a / b for a, b in zip(times[name], times[base])])
+        result[f"{name}_over_{base}".replace("-", "_")] = ratios
+        print(f"{name} / {base}, paired per step: median {ratios['median']:.3f} "
+              f"(p25 {ratios['p25']:.3f}, p75 {ratios['p75']:.3f})")
+    print(f"max |logit difference| against ddtree: {max_diff:.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -195,6 +195,14 @@ def test_cost_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert cost_aware.load_profile(target, tiny_drafter(seed=9), 2) == measured  # same shapes
     assert cost_aware.load_profile(target, tiny_drafter(block_size=4), 2) is None  # other drafter
     assert cost_aware.load_profile(target, drafter, 3) is None               # other batch size
+    # Another attention path costs otherwise: the drafter's unfused layers, the target's
+    # tree_attention op.
+    drafter.fused_attention = False
+    assert cost_aware.load_profile(target, drafter, 2) is None
+    drafter.fused_attention = "auto"
+    from ddtree import hf
+    hf.use_tree_attention(target)
+    assert cost_aware.load_profile(target, drafter, 2) is None
 
 
 def test_learned_state_carries_over_between_generations(monkeypatch):

@@ -95,6 +95,38 @@ def test_cpu_float32_and_scale():
     check("cpu", case(3), scale=0.2)
 
 
+def test_cpu_long_context_and_odd_head_dim():
+    """Several key blocks (cached rows spanning blocks, the new rows straddling a block edge),
+    a head group of 4 query heads per KV head, a head_dim that is no multiple of 8. fp32 sums
+    over ~150 keys: 8 ulp of the output scale (the bf16 / fp16 cases' bound is dominated by
+    their own rounding)."""
+    check("cpu", case(11, batch=2, cached=(130, 61), s=200, context=(9,), hq=8, hkv=2,
+                      dtype=torch.float32, d=36), context_len=torch.tensor([9, 4]), floor_ulps=8)
+
+
+def test_cpu_baseline_isa_loops():
+    """The CPU attention loops built for the baseline instruction set (picked on CPUs without
+    AVX2 + FMA; DDTREE_CPU_BASELINE=1 forces them) against the references, in a fresh process:
+    draft_attention here, tree_attention (test_tree_attention's CPU cases)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    here = pathlib.Path(__file__).resolve().parent
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import test_draft_attention as d, test_tree_attention as t\n"
+        "d.test_cpu_float32_and_scale(); d.test_cpu_long_context_and_odd_head_dim()\n"
+        "d.test_matches_reference('cpu', d.torch.bfloat16)\n"
+        "t.test_cpu_float32_and_long_context(); t.test_matches_dense_mask_sdpa('cpu', t.torch.float16)\n"
+        "print('ok')\n")
+    env = dict(os.environ, DDTREE_CPU_BASELINE="1")
+    out = subprocess.run([sys.executable, "-c", script, str(here)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("splits", [2, 5, 64])
 def test_split_over_keys(backend, splits):

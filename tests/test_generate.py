@@ -259,8 +259,9 @@ def test_fused_draft_attention_gives_the_same_proposals():
     proposes what the unfused SDPA path proposes, round after round."""
     target = tiny_target()
     plain, fused = tiny_drafter(), tiny_drafter()
-    fused.fused_attention = True
-    assert not plain._use_fused() and fused._use_fused()
+    assert fused.uses_fused_attention()  # the default wherever the op runs (on CPU, every dtype)
+    plain.fused_attention = False
+    assert not plain.uses_fused_attention()
     caches = [plain.new_cache(), fused.new_cache()]
     g = torch.Generator().manual_seed(0)
     for round_ in range(4):

@@ -1,6 +1,6 @@
 #include "cpu/tree_attention.h"
 
-#include "cpu/vector_math.h"
+#include "cpu/attention_tile.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,62 +9,6 @@
 
 namespace ddtree::cpu {
 namespace {
-
-constexpr int64_t kRowTile = 8;    // query rows per tile
-constexpr int64_t kKeyBlock = 64;  // keys per block: K / V blocks stay in L1 / L2 for the tile
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Scores of two query rows against one key block stored transposed (kt: [D][kKeyBlock]), 32 keys
-// at a time: 8 vector accumulators, each loaded key vector feeds two multiply-adds.
-__attribute__((always_inline)) inline void block_scores_pair(const float* q0, const float* q1, const float* kt, int64_t D, float* s0,
-                       float* s1) {
-  constexpr int64_t kHalf = kKeyBlock / 2;
-  for (int64_t h = 0; h < kKeyBlock; h += kHalf) {
-    float a0[kHalf] = {}, a1[kHalf] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const float x0 = q0[d], x1 = q1[d];
-      const float* kd = kt + d * kKeyBlock + h;
-#pragma omp simd
-      for (int64_t jj = 0; jj < kHalf; ++jj) {
-        a0[jj] += x0 * kd[jj];
-        a1[jj] += x1 * kd[jj];
-      }
-    }
-    for (int64_t jj = 0; jj < kHalf; ++jj) {
-      s0[h + jj] = a0[jj];
-      s1[h + jj] = a1[jj];
-    }
-  }
-}
-
-// acc[:kCols] += sum_jj w[jj] * v_jj[:kCols] over one key block (rows of v `stride` apart), the
-// kCols output columns in registers while the keys stream.
-template <int64_t kCols>
-__attribute__((always_inline)) inline void weighted_values_chunk(const float* w, const float* v,
-                                                                 int64_t nk, int64_t stride,
-                                                                 float* acc) {
-  float a[kCols];
-  for (int64_t t = 0; t < kCols; ++t) a[t] = acc[t];
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    const float wj = w[jj];
-    if (wj == 0.f) continue;
-    const float* vj = v + jj * stride;
-#pragma omp simd
-    for (int64_t t = 0; t < kCols; ++t) a[t] += wj * vj[t];
-  }
-  for (int64_t t = 0; t < kCols; ++t) acc[t] = a[t];
-}
-
-// acc[:D] += sum_jj w[jj] * v_jj[:D] over one key block: chunks of 32 columns, then of 8 (one
-// AVX2 vector: head_dim 16 / 24 / 40 ...), then single columns.
-__attribute__((always_inline)) inline void block_weighted_values(const float* w, const float* v,
-                                                                 int64_t nk, int64_t stride,
-                                                                 int64_t D, float* acc) {
-  int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) weighted_values_chunk<32>(w, v + d0, nk, stride, acc + d0);
-  for (; d0 + 8 <= D; d0 += 8) weighted_values_chunk<8>(w, v + d0, nk, stride, acc + d0);
-  for (; d0 < D; ++d0) weighted_values_chunk<1>(w, v + d0, nk, stride, acc + d0);
-}
 
 // Work item = (request, KV head): keys (transposed per block of kKeyBlock) and values converted
 // to fp32 once; the head group's query rows go in tiles of kRowTile through the key blocks with
@@ -87,7 +31,7 @@ __attribute__((always_inline)) inline void attention_items(const TreeAttentionPa
     for (int64_t j = 0; j < keys; ++j)
       for (int64_t d = 0; d < D; ++d) {
         const int64_t at = kv_base + j * p.kv_stride_s + d;
-        kt[(j / kKeyBlock * D + d) * kKeyBlock + j % kKeyBlock] = load_elem(p.k, p.dtype, at);
+        kt[key_slot(j, d, D)] = load_elem(p.k, p.dtype, at);
         vf[j * D + d] = load_elem(p.v, p.dtype, at);
       }
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
@@ -114,26 +58,7 @@ __attribute__((always_inline)) inline void attention_items(const TreeAttentionPa
             for (int64_t jj = 0; jj < nk; ++jj)
               if (!tree_key_visible(p, b, i, past, j0 + jj)) s[jj] = kNegInf;
           }
-          float block_max = kNegInf;
-#pragma omp simd reduction(max : block_max)
-          for (int64_t jj = 0; jj < nk; ++jj) block_max = std::max(block_max, s[jj]);
-          if (block_max == kNegInf) continue;
-          const float new_max = std::max(m[r], block_max);
-          const float rescale = m[r] == kNegInf ? 0.f : std::exp(m[r] - new_max);
-          float* a = acc.data() + r * D;
-          if (rescale != 1.f) {
-            for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
-            l[r] *= rescale;
-          }
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t jj = 0; jj < nk; ++jj) {
-            s[jj] = s[jj] == kNegInf ? 0.f : exp_nonpositive(s[jj] - new_max);
-            sum += s[jj];
-          }
-          l[r] += sum;
-          block_weighted_values(s, vf.data() + j0 * D, nk, D, D, a);
-          m[r] = new_max;
+          softmax_block_update(s, nk, vf.data() + j0 * D, D, m[r], l[r], acc.data() + r * D);
         }
       }
       for (int64_t r = 0; r < nr; ++r) {

@@ -11,7 +11,7 @@ namespace {
 using at::Tensor;
 
 constexpr OpKernels<DraftAttentionParams> kDraftKernels{
-    &cpu::draft_attention_requests, &emulated::launch_draft_attention,
+    &cpu::draft_attention_items, &emulated::launch_draft_attention,
     DDTREE_GPU_LAUNCHER(launch_draft_attention)};
 
 template <Backend kBackend>
@@ -103,7 +103,7 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   const AttentionWorkspace ws =
       plan_attention_splits(op, kBackend, q, num_splits, B, Lq, Hq, Hkv, D, S + T);
   p.split = ws.split;
-  run_op<kBackend>(op, kDraftKernels, p, q, B, 1);
+  run_op<kBackend>(op, kDraftKernels, p, q, B * Hkv, 1);
   return out;
 }
 

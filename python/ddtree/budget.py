@@ -76,12 +76,16 @@ class Calibration:
 # ---- measured cost ----
 
 def _model_key(model) -> str:
-    """The architecture (config without its path, parameter shapes): what a round's cost depends
-    on. Weight values do not matter, so no device read."""
+    """The architecture (config without its path, parameter shapes) and the attention path (the
+    target's attention implementation, the drafter's fused attention or not): what a round's
+    cost depends on. Weight values do not matter, so no device read."""
     if model is None:
         return "none"
     cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
     cfg.pop("_name_or_path", None)
+    cfg["ddtree_attention_path"] = [getattr(model.config, "_attn_implementation", None),
+                                    model.uses_fused_attention()
+                                    if hasattr(model, "uses_fused_attention") else None]
     shapes = [list(p.shape) for p in model.parameters()]
     text = json.dumps([cfg, shapes], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -180,8 +184,8 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     slow round or repeat moves it little. Tree buckets' costs are then made non-decreasing in
     the bucket (`non_decreasing`): a round verifying more tree rows does the same work and more,
     so an inversion is measurement noise — and would steer every choice to the larger tree.
-    Cached on disk per architecture (target and drafter) / device / dtype / library version /
-    batch size / measuring rule (use_cache=False measures again)."""
+    Cached on disk per architecture and attention path (target and drafter) / device / dtype /
+    library version / batch size / measuring rule (use_cache=False measures again)."""
     if use_cache:
         cached = load_profile(target, drafter, batch)
         if cached is not None and set(buckets) <= set(cached.round_ms):

@@ -352,8 +352,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        # "auto": the fused draft_attention op on CUDA when its kernel covers dtype and head_dim;
-        # True / False force it on / off (True also works on CPU, through the op's CPU path).
+        # "auto": the fused draft_attention op wherever it runs: on CPU (any float dtype and
+        # head_dim), on CUDA when its kernel covers dtype and head_dim; True / False force it on /
+        # off (False: projections, norms, RoPE, cache scatter and SDPA as separate torch ops).
         self.fused_attention = "auto"
 
     @property
@@ -431,17 +432,19 @@ class DFlashDrafter(nn.Module):
         """concat_l hidden_states[l + 1] over target_layer_ids: [B, T, n * H]."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], -1)
 
-    def _use_fused(self) -> bool:
+    def uses_fused_attention(self) -> bool:
+        """Whether steps run the fused draft_attention op (fused_attention: "auto" = wherever
+        the op covers this device, dtype and head_dim)."""
         if self.fused_attention != "auto":
             return bool(self.fused_attention)
         from ..ops import attention_op_supports
 
         w = self.fc.weight
-        return w.is_cuda and attention_op_supports(w.device, w.dtype, self.layers[0].self_attn.head_dim)
+        return attention_op_supports(w.device, w.dtype, self.layers[0].self_attn.head_dim)
 
     def new_cache(self, batch: int = 1, capacity: int = 0) -> DraftCache:
         """An empty context cache for `batch` requests, preallocated to `capacity` rows if > 0."""
-        cache = DraftCache([None] * len(self.layers), [0] * batch, self._use_fused())
+        cache = DraftCache([None] * len(self.layers), [0] * batch, self.uses_fused_attention())
         if capacity > 0:
             self.reserve(cache, batch, capacity)
         return cache
