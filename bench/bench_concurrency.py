@@ -1,6 +1,8 @@
 """Tokens per second against batch size on the embedded pair: autoregressive, DFlash chain, DDTree
 at fixed budgets and budget="auto", median and spread over the repeats (modes interleaved per
-group of requests, the order alternating; ratios paired per repeat, then their median); every
+group of requests, the order alternating, the fast modes twice in a palindrome and
+autoregressive / auto at least 4 times a batch size; ratios paired per repeat, then their
+median); every
 mode checked token-for-token against autoregressive; auto's chosen budget per round as a
 histogram per batch size, and its calibrated predicted vs observed tokens per round.
 
@@ -35,6 +37,21 @@ from ddtree.generate import generate_batch
 # back to back on the same requests (their ratio is the headline one).
 MODES = [("autoregressive", None), ("tree", "auto"), ("chain", None), ("tree", 16), ("tree", 64),
          ("tree", 256)]
+FAST = 4  # MODES[:FAST] run twice per group, in a palindrome (schedule)
+PAIRS_PER_BATCH = 4  # autoregressive / auto runs of each at least, per batch size and repeat
+
+
+def schedule(flip: bool, groups: int):
+    """One group's runs: the fast modes forth and back (autoregressive, auto, chain, tree 16,
+    tree 16, chain, auto, autoregressive — each mode's mean position the same, so a drift of the
+    machine's speed that is linear over the group hits them alike); where a batch size has fewer
+    than PAIRS_PER_BATCH groups (one at batch 16 and 32), more (autoregressive, auto, auto,
+    autoregressive) blocks, so that its headline ratio rests on as many runs; then the slow trees
+    once. The whole order reversed when `flip`."""
+    ar, auto = MODES[0], MODES[1]
+    blocks = max(0, -(-PAIRS_PER_BATCH // groups) - 1)
+    order = MODES[:FAST] + MODES[:FAST][::-1] + [ar, auto, auto, ar] * blocks + MODES[FAST:]
+    return order[::-1] if flip else order
 
 
 def label(mode, budget):
@@ -93,14 +110,17 @@ def main():
             for g, group in enumerate(groups):
                 # Modes interleaved per group of requests, the order alternating: the VM's slow
                 # drifts hit every mode alike.
-                order = MODES if (rep + g) % 2 == 0 else MODES[::-1]
-                for mode, budget in order:
+                done = {}
+                for mode, budget in schedule((rep + g) % 2 == 1, len(groups)):
                     name = label(mode, budget)
                     results, seconds = run_group(target, drafter, group, mode, budget,
                                                  args.new_tokens, profiles[batch])
                     totals[name][0] += sum(len(r.tokens) for r in results)
                     totals[name][1] += seconds
-                    outputs[name] += [r.tokens for r in results]
+                    tokens = [r.tokens for r in results]
+                    if done.setdefault(name, tokens) != tokens:
+                        raise SystemExit(f"bench_concurrency: {name} at batch {batch} gave "
+                                         f"other tokens on a later run")
                     if budget == "auto":
                         chosen.setdefault(batch, []).extend(
                             b for r in results for b in r.round_budgets)
@@ -110,6 +130,8 @@ def main():
                         cal[0] += sum(p for p, _ in drafted)
                         cal[1] += sum(n for _, n in drafted)
                         cal[2] += len(drafted)
+                for name, tokens in done.items():
+                    outputs[name] += tokens
             for name, (tokens, seconds) in totals.items():
                 runs.setdefault((batch, name), []).append(tokens / seconds)
                 print(f"repeat {rep} batch {batch:>2} {name:<15} {tokens / seconds:8.1f} tok/s",
