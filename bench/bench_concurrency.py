@@ -17,7 +17,7 @@ shrinks to as requests finish) are measured before the timed runs (not read from
 cache: a benchmark measures this build). The target verifies through --attention: "ddtree"
 (default: the tree_attention op, no dense mask; what cuda_graph=True and `ddtree generate
 --tree-attention` use) or "sdpa" (transformers' SDPA on the tree mask over the whole cache); the
-drafter runs its default path (the fused draft_attention op wherever it runs). On a GPU the same
+drafter runs its default path (fused_attention="auto"). On a GPU the same
 script runs unchanged (bench/gpu_check.sh calls it).
 """
 import argparse
@@ -185,7 +185,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(dict(device=cost_aware.device_name(torch.device(args.device)),
                            dtype=str(dtype), torch=torch.__version__, attention=args.attention,
-                           drafter_fused_attention=drafter.uses_fused_attention(),
+                           drafter_fused_attention=str(drafter.fused_attention),
                            requests=args.requests,
                            new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
                            profiles={s: p.to_json() for s, p in measured.items()}), f, indent=1)

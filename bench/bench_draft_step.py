@@ -7,8 +7,8 @@ alternates between repeats) so the machine's speed drift hits both alike.
   python bench/bench_draft_step.py [--reference DIR] [--accepted 3] [--rounds 30] [--prompts 8]
                                    [--repeats 6] [--json F]
 
-Three drafters step in lockstep: ddtree's default (the fused draft_attention op wherever it
-runs, CPU included), ddtree with fused_attention=False (projections, norms, RoPE, scatter and
+Three drafters step in lockstep: ddtree's default (fused_attention="auto": on this pair's CPU
+steps, the fused draft_attention op), ddtree with fused_attention=False (projections, norms, RoPE, scatter and
 SDPA as separate torch ops) and, with --reference, the published one.
 
 Inputs: held-out prompts and the target's greedy continuation of each; a step's block starts at
@@ -139,7 +139,9 @@ def main():
                         times[name].append(seconds)
     result = dict(threads=torch.get_num_threads(), torch=torch.__version__, accepted=args.accepted,
                   rounds=args.rounds, prompts=args.prompts, repeats=args.repeats,
-                  fused_attention=drafter.uses_fused_attention(), max_logit_difference=max_diff,
+                  fused_attention=drafter.uses_fused_attention(
+                      max(ids.shape[1] for _, ids, _ in data) + 2 * drafter.block_size + 1),
+                  max_logit_difference=max_diff,
                   ms={n: {k: (1e3 * v if k != "n" else v) for k, v in quantiles(t).items()}
                       for n, t in times.items()})
     for name, q in result["ms"].items():

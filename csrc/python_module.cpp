@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "core/tree_sample.h"
+#include "cpu/vector_math.h"
 #include "kernels/launchers.h"
 #include "ops/common.h"
 #include "simt/runtime.h"
@@ -21,6 +22,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   });
   m.def("built_with_torch", [] { return std::string(DDTREE_TORCH_VERSION); });
+  m.def("cpu_isa", [] {
+    switch (ddtree::cpu::cpu_isa()) {
+      case ddtree::cpu::CpuIsa::kAvx512:
+        return std::string("avx512");
+      case ddtree::cpu::CpuIsa::kAvx2:
+        return std::string("avx2");
+      default:
+        return std::string("baseline");
+    }
+  }, "The instruction set the CPU ops' hot loops run on (avx512, avx2 or baseline)");
   m.def("cuda_arch_list", [] {
 #ifdef DDTREE_CUDA_ARCH_LIST
     return std::string(DDTREE_CUDA_ARCH_LIST);

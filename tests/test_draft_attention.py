@@ -104,27 +104,28 @@ def test_cpu_long_context_and_odd_head_dim():
                       dtype=torch.float32, d=36), context_len=torch.tensor([9, 4]), floor_ulps=8)
 
 
-def test_cpu_baseline_isa_loops():
-    """The CPU attention loops built for the baseline instruction set (picked on CPUs without
-    AVX2 + FMA; DDTREE_CPU_BASELINE=1 forces them) against the references, in a fresh process:
-    draft_attention here, tree_attention (test_tree_attention's CPU cases)."""
+@pytest.mark.parametrize("isa", ["baseline", "avx2"])
+def test_cpu_loops_of_every_instruction_set(isa):
+    """The CPU attention and recurrent loops are compiled for AVX-512, AVX2 + FMA and the baseline
+    instruction set, one picked at run time; DDTREE_CPU_ISA caps it. The default run covers the
+    build this CPU picks; here the capped builds pass the same CPU tests (draft_attention,
+    tree_attention, the recurrent ops against their references), in a fresh process."""
     import os
     import pathlib
     import subprocess
     import sys
     here = pathlib.Path(__file__).resolve().parent
-    script = (
-        "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "import test_draft_attention as d, test_tree_attention as t\n"
-        "d.test_cpu_float32_and_scale(); d.test_cpu_long_context_and_odd_head_dim()\n"
-        "d.test_matches_reference('cpu', d.torch.bfloat16)\n"
-        "t.test_cpu_float32_and_long_context(); t.test_matches_dense_mask_sdpa('cpu', t.torch.float16)\n"
-        "print('ok')\n")
-    env = dict(os.environ, DDTREE_CPU_BASELINE="1")
-    out = subprocess.run([sys.executable, "-c", script, str(here)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    files = [str(here / f) for f in ("test_draft_attention.py", "test_tree_attention.py",
+                                     "test_recurrent.py")]
+    env = dict(os.environ, DDTREE_CPU_ISA=isa)
+    picked = subprocess.run([sys.executable, "-c", "import ddtree; print(ddtree._C.cpu_isa())"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert picked.stdout.strip().splitlines()[-1] in (isa, "baseline"), picked.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *files, "-k", "cpu and not instruction_set"], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=here.parent)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

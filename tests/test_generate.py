@@ -259,9 +259,12 @@ def test_fused_draft_attention_gives_the_same_proposals():
     proposes what the unfused SDPA path proposes, round after round."""
     target = tiny_target()
     plain, fused = tiny_drafter(), tiny_drafter()
-    assert fused.uses_fused_attention()  # the default wherever the op runs (on CPU, every dtype)
-    plain.fused_attention = False
-    assert not plain.uses_fused_attention()
+    # "auto" on CPU: fused for a small attention (heads x head_dim x capacity), not for a cache
+    # that grows (capacity 0) or a long context.
+    assert plain.uses_fused_attention(64) and not plain.uses_fused_attention()
+    assert not plain.uses_fused_attention(plain.CPU_FUSED_MAX_WORK)
+    plain.fused_attention, fused.fused_attention = False, True
+    assert not plain.uses_fused_attention(64) and fused.uses_fused_attention()
     caches = [plain.new_cache(), fused.new_cache()]
     g = torch.Generator().manual_seed(0)
     for round_ in range(4):

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
 
 namespace ddtree::cpu {
 
@@ -47,9 +48,14 @@ __attribute__((always_inline)) inline float exp2_bounded(float t) {
 constexpr float kLog2e = 1.44269504088896341f;
 
 // Defines `void name(const Params& p, int64_t begin, int64_t end)` that runs `body(p, begin, end)`
-// (an always_inline function) compiled for AVX2 + FMA where the CPU has both
-// (cpu_has_avx2_fma), compiled for the baseline ISA otherwise. Use at namespace scope.
+// (an always_inline function) compiled for AVX-512 (F + VL + BW + DQ, 512-bit vectors preferred)
+// where the CPU has it, for AVX2 + FMA where it has those, for the baseline ISA otherwise
+// (cpu_isa). Use at namespace scope.
 #define DDTREE_CPU_DISPATCH(name, Params, body)                                               \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma,prefer-vector-width=512")))    \
+  static void name##_avx512(const Params& p, int64_t begin, int64_t end) {                     \
+    body(p, begin, end);                                                                       \
+  }                                                                                            \
   __attribute__((target("avx2,fma"))) static void name##_avx2(const Params& p, int64_t begin, \
                                                                int64_t end) {                  \
     body(p, begin, end);                                                                       \
@@ -58,20 +64,37 @@ constexpr float kLog2e = 1.44269504088896341f;
     body(p, begin, end);                                                                       \
   }                                                                                            \
   void name(const Params& p, int64_t begin, int64_t end) {                                     \
-    if (cpu_has_avx2_fma()) {                                                                  \
-      name##_avx2(p, begin, end);                                                              \
-    } else {                                                                                   \
-      name##_baseline(p, begin, end);                                                          \
+    switch (cpu_isa()) {                                                                       \
+      case CpuIsa::kAvx512:                                                                    \
+        return name##_avx512(p, begin, end);                                                   \
+      case CpuIsa::kAvx2:                                                                      \
+        return name##_avx2(p, begin, end);                                                     \
+      default:                                                                                 \
+        return name##_baseline(p, begin, end);                                                 \
     }                                                                                          \
   }
 
-// Whether this CPU runs the AVX2 + FMA builds of the hot loops (decided once, at run time: GCC's
-// target_clones dispatch tests the CPU model, not its features). DDTREE_CPU_BASELINE=1 in the
-// environment picks the baseline-ISA loops anyway (the tests run both).
-inline bool cpu_has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          std::getenv("DDTREE_CPU_BASELINE") == nullptr;
-  return yes;
+enum class CpuIsa { kBaseline, kAvx2, kAvx512 };
+
+// The instruction set the hot loops run on, decided once, at run time (GCC's target_clones
+// dispatch tests the CPU model, not its features). DDTREE_CPU_ISA=baseline|avx2 in the
+// environment caps it (the tests run every build this CPU can); DDTREE_CPU_BASELINE=1 is
+// DDTREE_CPU_ISA=baseline.
+inline CpuIsa cpu_isa() {
+  static const CpuIsa isa = [] {
+    const char* cap = std::getenv("DDTREE_CPU_ISA");
+    const bool baseline = std::getenv("DDTREE_CPU_BASELINE") != nullptr ||
+                          (cap != nullptr && std::string_view(cap) == "baseline");
+    const bool avx2 = !baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx512 = avx2 && !(cap != nullptr && std::string_view(cap) == "avx2") &&
+                        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    return avx512 ? CpuIsa::kAvx512 : avx2 ? CpuIsa::kAvx2 : CpuIsa::kBaseline;
+  }();
+  return isa;
 }
+
+// Whether the AVX2 + FMA code runs (an AVX-512 CPU runs it where a loop has no AVX-512 build).
+inline bool cpu_has_avx2_fma() { return cpu_isa() != CpuIsa::kBaseline; }
 
 }  // namespace ddtree::cpu

@@ -77,15 +77,14 @@ class Calibration:
 
 def _model_key(model) -> str:
     """The architecture (config without its path, parameter shapes) and the attention path (the
-    target's attention implementation, the drafter's fused attention or not): what a round's
+    target's attention implementation, the drafter's fused_attention setting): what a round's
     cost depends on. Weight values do not matter, so no device read."""
     if model is None:
         return "none"
     cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
     cfg.pop("_name_or_path", None)
     cfg["ddtree_attention_path"] = [getattr(model.config, "_attn_implementation", None),
-                                    model.uses_fused_attention()
-                                    if hasattr(model, "uses_fused_attention") else None]
+                                    str(getattr(model, "fused_attention", None))]
     shapes = [list(p.shape) for p in model.parameters()]
     text = json.dumps([cfg, shapes], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

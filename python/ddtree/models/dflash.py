@@ -352,9 +352,10 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        # "auto": the fused draft_attention op wherever it runs: on CPU (any float dtype and
-        # head_dim), on CUDA when its kernel covers dtype and head_dim; True / False force it on /
-        # off (False: projections, norms, RoPE, cache scatter and SDPA as separate torch ops).
+        # "auto": the fused draft_attention op on CUDA when its kernel covers dtype and head_dim,
+        # on CPU for generations whose attention is small (CPU_FUSED_MAX_WORK); True / False
+        # force it on / off (False: projections, norms, RoPE, cache scatter and SDPA as separate
+        # torch ops).
         self.fused_attention = "auto"
 
     @property
@@ -432,19 +433,31 @@ class DFlashDrafter(nn.Module):
         """concat_l hidden_states[l + 1] over target_layer_ids: [B, T, n * H]."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], -1)
 
-    def uses_fused_attention(self) -> bool:
-        """Whether steps run the fused draft_attention op (fused_attention: "auto" = wherever
-        the op covers this device, dtype and head_dim)."""
+    # On CPU the draft_attention loops beat the separate torch ops where a step's attention is
+    # small and the ops' own dispatch dominates (4 query heads of 64, 300 context rows: 1.3x),
+    # and lose to SDPA's kernels on long contexts and wide heads (the same heads over 2,000 rows:
+    # 0.45x; 32 heads of 128 over 300 rows: 0.56x; bench/bench_attention.py, 2 threads):
+    # "auto" fuses on CPU up to this many query heads x head_dim x context rows.
+    CPU_FUSED_MAX_WORK = 4 * 64 * 600
+
+    def uses_fused_attention(self, capacity: int = 0) -> bool:
+        """Whether steps over a context cache of `capacity` rows run the fused draft_attention
+        op (fused_attention: "auto" = on CUDA where the kernel covers dtype and head_dim, on CPU
+        when query heads x head_dim x capacity <= CPU_FUSED_MAX_WORK; capacity 0: a cache that
+        grows, unfused on CPU)."""
         if self.fused_attention != "auto":
             return bool(self.fused_attention)
         from ..ops import attention_op_supports
 
-        w = self.fc.weight
-        return attention_op_supports(w.device, w.dtype, self.layers[0].self_attn.head_dim)
+        w, attn = self.fc.weight, self.layers[0].self_attn
+        if not attention_op_supports(w.device, w.dtype, attn.head_dim):
+            return False
+        return w.is_cuda or 0 < attn.num_heads * attn.head_dim * capacity <= self.CPU_FUSED_MAX_WORK
 
     def new_cache(self, batch: int = 1, capacity: int = 0) -> DraftCache:
         """An empty context cache for `batch` requests, preallocated to `capacity` rows if > 0."""
-        cache = DraftCache([None] * len(self.layers), [0] * batch, self.uses_fused_attention())
+        cache = DraftCache([None] * len(self.layers), [0] * batch,
+                           self.uses_fused_attention(capacity))
         if capacity > 0:
             self.reserve(cache, batch, capacity)
         return cache
