@@ -226,7 +226,7 @@ def test_cpu_selection_edge_rows():
 
 def test_cpu_baseline_isa_loops():
     """The CPU loops built for the baseline instruction set (picked on CPUs without AVX2 + FMA;
-    DDTREE_CPU_BASELINE=1 forces them) against the reference, in a fresh process."""
+    DDTREE_CPU_ISA=baseline forces them) against the reference, in a fresh process."""
     import os
     import pathlib
     import subprocess
@@ -241,7 +241,7 @@ def test_cpu_baseline_isa_loops():
         "    t.check('cpu', torch.randn(b, l, v, generator=g) * 3, k)\n"
         "lp, _ = torch.ops.ddtree.tree_topk(torch.zeros(1, 1, 3), 1)\n"
         "print('ok')\n")
-    env = dict(os.environ, DDTREE_CPU_BASELINE="1")
+    env = dict(os.environ, DDTREE_CPU_ISA="baseline")
     out = subprocess.run([sys.executable, "-c", script, str(here)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

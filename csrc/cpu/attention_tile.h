@@ -40,6 +40,16 @@ __attribute__((always_inline)) inline void block_scores_pair(const float* q0, co
   }
 }
 
+// Scores of a tile's first nr query rows (qs: kRowTile rows of D, rows past nr zero) against one
+// transposed key block, two rows at a time, into scores (kRowTile rows of kKeyBlock).
+__attribute__((always_inline)) inline void tile_scores(const float* qs, int64_t nr,
+                                                       const float* kt_block, int64_t D,
+                                                       float* scores) {
+  for (int64_t r = 0; r < nr; r += 2)
+    block_scores_pair(qs + r * D, qs + (r + 1) * D, kt_block, D, scores + r * kKeyBlock,
+                      scores + (r + 1) * kKeyBlock);
+}
+
 // acc[:kCols] += sum_jj w[jj] * v_jj[:kCols] over one key block (rows of v `stride` apart), the
 // kCols output columns in registers while the keys stream.
 template <int64_t kCols>

@@ -68,9 +68,7 @@ __attribute__((always_inline)) inline void draft_items(const DraftAttentionParam
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
         const int64_t nk = std::min(kKeyBlock, keys - j0);
-        for (int64_t r = 0; r < nr; r += 2)
-          block_scores_pair(qs.data() + r * D, qs.data() + (r + 1) * D, kt.data() + j0 * D, D,
-                            scores.data() + r * kKeyBlock, scores.data() + (r + 1) * kKeyBlock);
+        tile_scores(qs.data(), nr, kt.data() + j0 * D, D, scores.data());
         for (int64_t r = 0; r < nr; ++r)
           softmax_block_update(scores.data() + r * kKeyBlock, nk, vf.data() + j0 * D, D, m[r],
                                l[r], acc.data() + r * D);

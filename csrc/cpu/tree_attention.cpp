@@ -48,9 +48,7 @@ __attribute__((always_inline)) inline void attention_items(const TreeAttentionPa
       for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
         const int64_t nk = std::min(kKeyBlock, keys - j0);
         if (j0 >= open && j0 + nk <= past) continue;  // padding rows [open, past): seen by none
-        for (int64_t r = 0; r < nr; r += 2)  // rows past nr have zero queries (qs) and are unused
-          block_scores_pair(qs.data() + r * D, qs.data() + (r + 1) * D, kt.data() + j0 * D, D,
-                            scores.data() + r * kKeyBlock, scores.data() + (r + 1) * kKeyBlock);
+        tile_scores(qs.data(), nr, kt.data() + j0 * D, D, scores.data());
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t i = (r0 + r) % p.n;
           float* s = scores.data() + r * kKeyBlock;

@@ -78,13 +78,11 @@ enum class CpuIsa { kBaseline, kAvx2, kAvx512 };
 
 // The instruction set the hot loops run on, decided once, at run time (GCC's target_clones
 // dispatch tests the CPU model, not its features). DDTREE_CPU_ISA=baseline|avx2 in the
-// environment caps it (the tests run every build this CPU can); DDTREE_CPU_BASELINE=1 is
-// DDTREE_CPU_ISA=baseline.
+// environment caps it (the tests run every build this CPU can).
 inline CpuIsa cpu_isa() {
   static const CpuIsa isa = [] {
     const char* cap = std::getenv("DDTREE_CPU_ISA");
-    const bool baseline = std::getenv("DDTREE_CPU_BASELINE") != nullptr ||
-                          (cap != nullptr && std::string_view(cap) == "baseline");
+    const bool baseline = cap != nullptr && std::string_view(cap) == "baseline";
     const bool avx2 = !baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const bool avx512 = avx2 && !(cap != nullptr && std::string_view(cap) == "avx2") &&
                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
