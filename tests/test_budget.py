@@ -363,6 +363,30 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     assert plain.learned["plain_runs"] == 1 and "autoregressive rounds in" in plain.explain()
     due = {**weak, "plain_runs": cost_aware.AutoBudget.REFRESH_AFTER}
     assert not cost_aware.AutoBudget(pair, prior=due).plain_autoregressive(2, 15)
+    # The re-check drafts its first round; that round does not pay here, so the rest of the
+    # generation runs plain (no drafter work) and the next REFRESH_AFTER generations are plain.
+    recheck = cost_aware.AutoBudget(pair, prior=due)
+    results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto", policy=recheck)
+    assert [r.tokens for r in results] == [t[:16] for t in truths]
+    assert recheck.rechecking and recheck.plain_rest
+    assert recheck.choices[0] > 0 and recheck.reasons[0] == "re-check"
+    assert set(recheck.choices[1:]) == {0} and len(recheck.choices) > 1
+    assert set(recheck.reasons[1:]) == {cost_aware.AutoBudget.RECHECK_FAILED}
+    assert [b > 0 for b in results[0].round_budgets] == [True] + [False] * (
+        len(results[0].round_budgets) - 1)
+    # Its loop time is plain decoding's plus one probe: no measured speed-up is learned from it.
+    assert "plain_runs" not in recheck.learned and recheck.measured_speedup is None
+    assert "measured_speedup" not in recheck.learned
+    assert cost_aware.AutoBudget(pair, prior=recheck.learned).plain_autoregressive(2, 15)
+    # A re-check whose round pays (trees priced below an autoregressive round) keeps drafting.
+    cheap = profile({0: 10.0, 4: 1.0, 8: 1.1, 16: 1.2, 32: 1.3, 64: 1.4}, batch=2)
+    paying = cost_aware.AutoBudget(cheap, learn_costs=False, prior={
+        **due, "measured_speedup": 0.9, "expected_per_request": None})
+    assert not paying.plain_autoregressive(2, 15) and paying.rechecking
+    results = generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=paying)
+    assert [r.tokens for r in results] == truths
+    assert paying.reasons[0] == "re-check" and not paying.plain_rest
+    assert sum(b > 0 for b in paying.choices) > 1
     never = profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, batch=1)
     assert cost_aware.AutoBudget(never).plain_autoregressive(1, 15)
     # What earlier generations measured counts: trees profiled as paying, measured at 10x.

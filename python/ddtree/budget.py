@@ -398,6 +398,10 @@ class AutoBudget:
         self.cost_ratios: Dict[int, Dict[int, float]] = {
             int(b): {int(k): v for k, v in r.items()}
             for b, r in ((self.prior or {}).get("cost_ratios") or {}).items()}
+        # A re-check (plain_autoregressive: the REFRESH_AFTER-th generation that would have run
+        # plain) drafts its first round; where that round does not pay, `plain_rest` is set and
+        # the loop runs the rest of the generation as plain autoregressive rounds.
+        self.rechecking = self.plain_rest = False
 
     def start(self, batch: int, depth: int, device) -> None:
         for profile in [self.profile, *self.smaller.values()]:
@@ -411,6 +415,7 @@ class AutoBudget:
         self.wait, self.since_draft = self.probe_after, 0
         self.by_request, self.remaining = {}, {}
         self.in_run = False  # the last round drafted for its gain, or was a probe that paid
+        self.plain_rest = False
         self.initial_batch, self.measured_speedup = self.profile.batch, None
 
     def calibration_prior(self) -> Optional[List[float]]:
@@ -446,28 +451,41 @@ class AutoBudget:
         """Whether a whole generation runs as plain autoregressive decoding: when no tree could
         pay even with every node accepted (never_drafts), or — batches of at least
         `plain_min_batch` requests — when the expected gains learned by earlier generations at
-        this batch size put every tree below `plain_margin` of an autoregressive round (every
-        REFRESH_AFTER-th such generation drafts again to re-check), or when earlier drafting
-        generations at this batch size were measured slower than autoregressive decoding would
-        have been (observe_generation: the outcome, whatever the estimates said). A single
+        this batch size put every tree below `plain_margin` of an autoregressive round, or when
+        earlier drafting generations at this batch size were measured slower than
+        autoregressive decoding would have been (observe_generation: the outcome, whatever the
+        estimates said). A single
         request's gains swing with its prompt (tree 16 on the held-out prompts: 1.4 to 8.6
         tokens a round), so at batch 1 one generation says little about the next and probes
-        decide instead; a batch's estimate averages its requests."""
+        decide instead; a batch's estimate averages its requests. Every REFRESH_AFTER-th such
+        generation re-checks (`rechecking`): its first round drafts, and unless that round pays
+        the rest of it is plain (`plain_rest`: the loop leaves the drafter alone, as a plain
+        generation would; the AR rounds of the auto loop keep the drafter's context current)."""
         if self.never_drafts(depth):
             self.plain_reason = "no tree could pay even if every node were accepted"
             return True
         prior = self.prior or {}
         learned = prior.get("expected_per_request")
-        if batch >= self.plain_min_batch and prior.get("plain_runs", 0) < self.REFRESH_AFTER:
+        self.rechecking, reason = False, None
+        if batch >= self.plain_min_batch:
             if learned and max(self.rate(b, e) for b, e in zip(self.buckets, learned)
                                if b > 0) < self.plain_margin * self.rate(0, 1.0):
-                self.plain_reason = "learned expected gains: no tree comes close to paying"
-                return True
-            if prior.get("measured_speedup", math.inf) < 1.0:
-                self.plain_reason = ("measured: drafting generations at this batch size took "
-                                     "longer than autoregressive decoding would have")
-                return True
+                reason = "learned expected gains: no tree comes close to paying"
+            elif prior.get("measured_speedup", math.inf) < 1.0:
+                reason = ("measured: drafting generations at this batch size took longer than "
+                          "autoregressive decoding would have")
+        if reason is not None and prior.get("plain_runs", 0) < self.REFRESH_AFTER:
+            self.plain_reason = reason
+            return True
+        self.rechecking = reason is not None
         return False
+
+    RECHECK_FAILED = "re-check: drafting still does not pay"
+
+    def record_plain_rest(self, rounds: int) -> None:
+        """The `rounds` plain autoregressive rounds that ended a re-check (plain_rest)."""
+        self.choices += [0] * rounds
+        self.reasons += [self.RECHECK_FAILED] * rounds
 
     def record_autoregressive(self, rounds: int) -> None:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
@@ -527,7 +545,9 @@ class AutoBudget:
         really brought (`measured_speedup`), whatever the estimates said. Not under tensor
         parallelism (learn_costs off): each rank's clock would decide differently."""
         self.measured_speedup = None
-        if not self.learn_costs or loop_ms <= 0:
+        # A re-check that went plain after its first round (plain_rest) measured plain decoding
+        # plus one probe, with no autoregressive round of the auto loop timed: nothing to learn.
+        if not self.learn_costs or loop_ms <= 0 or self.plain_rest:
             return
         sizes = sorted(self.smaller) + [self.initial_batch]
         round_ms = {s: self.cost(0, s) for s in sizes}  # once per size, not per round
@@ -590,7 +610,9 @@ class AutoBudget:
             estimates = self._estimates()  # once per round, for every bucket
             tree = self._best_tree(estimates)
             drafting = self.since_draft == 0 and self.in_run
-            if self._pays(tree, estimates, self.stay if drafting else self.hurdle):
+            if self.rechecking and not self.choices:
+                choice, why = tree, "re-check"
+            elif self._pays(tree, estimates, self.stay if drafting else self.hurdle):
                 choice, why = tree, "best expected tokens/s"
             elif self.since_draft >= max(self.wait, self._least_wait(tree)):
                 choice, why = tree, "probe"
@@ -627,12 +649,13 @@ class AutoBudget:
         if stats.live > 0:
             self.per_request = [a * new / stats.live + (1 - a) * old
                                 for new, old in zip(stats.expected, self.per_request)]
-        if self.reasons[-1] == "probe":
+        if self.reasons[-1] in ("probe", "re-check"):
             this_round = fresh if self.remaining and fresh else stats.expected
             paid = self._pays(self._best_tree(this_round), this_round)
             self.wait = self.probe_after if paid else \
                 min(self._longest_wait(self.choices[-1]), 2 * self.wait)
             self.in_run = paid
+            self.plain_rest = self.reasons[-1] == "re-check" and not paid
         else:
             self.in_run = True
         self.since_draft = 0

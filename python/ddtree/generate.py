@@ -603,6 +603,32 @@ class _AutoRounds:
         return committed_len + verdict.accept_len, verdict.bonus
 
 
+def _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonus, budgets,
+                  tree_builder, bucket: Optional[int]) -> None:
+    """Rounds of one fixed mode until every request is done: tree_builder(budgets [B]) is the
+    round's tree step (_tree_builder), made anew when finished requests leave the batch;
+    `bucket`: the budget each round records (budget="auto" run autoregressive), or None."""
+    build_tree = tree_builder(budgets)
+    while not requests.all_finished():
+        clock.mark(new_round=True)
+        draft_logits = draft.step(bonus)
+        clock.mark()
+        tree, vis = build_tree(draft_logits, bonus, committed_len)
+        clock.mark()
+        verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree, vis,
+                                                  committed_len)
+        draft.commit(hidden_states, verdict)
+        committed_len, bonus = committed_len + verdict.accept_len, verdict.bonus
+        rows = emitted.tolist()  # the one host read
+        requests.take(rows, bucket)
+        _known_new_rows(draft, rows)
+        clock.mark()
+        kept = _leave_finished(requests, (draft, verifier, sampler))
+        if kept is not None:
+            committed_len, bonus, budgets = (t[kept] for t in (committed_len, bonus, budgets))
+            build_tree = tree_builder(budgets)
+
+
 @torch.no_grad()
 def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: int,
                    mode: str = "tree", budget=64, temperature: float = 0.0, top_k: int = 0,
@@ -668,7 +694,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
         auto = _AutoRounds(policy, device, shard)
         loop_started = time.perf_counter()
         with validation(False):
-            while not requests.all_finished():
+            while not requests.all_finished() and not getattr(policy, "plain_rest", False):
                 committed_len, bonus = auto.round(clock, draft, verifier, sampler, requests,
                                                   committed_len, bonus)
                 kept = _leave_finished(requests, (draft, verifier, sampler))
@@ -677,6 +703,14 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                     auto.resized()
                     if hasattr(policy, "resize"):
                         policy.resize(kept.numel())
+            if not requests.all_finished():  # a re-check found drafting still does not pay
+                rounds = len(clock.round_starts)
+                verifier.want_hidden = False
+                _fixed_rounds(clock, _NoDrafter(), verifier, sampler, requests, committed_len,
+                              bonus, torch.zeros_like(committed_len),
+                              lambda budgets: _tree_builder("autoregressive", 0, budgets, shard),
+                              0)
+                policy.record_plain_rest(len(clock.round_starts) - rounds)
         loop_ms = 1e3 * (time.perf_counter() - loop_started)
         warmup_rounds = 2 if cuda_graph else 1
         results = requests.results(time.perf_counter() - started, clock.totals(),
@@ -687,26 +721,10 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             policy.finish(auto.calibration.sums.tolist())
             cost_aware.remember(policy)
         return results
-    build_tree = _tree_builder(mode, n - 1, budget_t, shard)
     with validation(False):
-        while not requests.all_finished():
-            clock.mark(new_round=True)
-            draft_logits = draft.step(bonus)
-            clock.mark()
-            tree, vis = build_tree(draft_logits, bonus, committed_len)
-            clock.mark()
-            verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree,
-                                                      vis, committed_len)
-            draft.commit(hidden_states, verdict)
-            committed_len, bonus = committed_len + verdict.accept_len, verdict.bonus
-            rows = emitted.tolist()  # the one host read
-            requests.take(rows, 0 if auto_plain else None)
-            _known_new_rows(draft, rows)
-            clock.mark()
-            kept = _leave_finished(requests, (draft, verifier, sampler))
-            if kept is not None:
-                committed_len, bonus, budget_t = (t[kept] for t in (committed_len, bonus, budget_t))
-                build_tree = _tree_builder(mode, n - 1, budget_t, shard)
+        _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonus, budget_t,
+                      lambda budgets: _tree_builder(mode, n - 1, budgets, shard),
+                      0 if auto_plain else None)
     if auto_plain:
         policy.record_autoregressive(len(clock.round_starts))
         cost_aware.remember(policy)
