@@ -364,7 +364,7 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     due = {**weak, "plain_runs": cost_aware.AutoBudget.REFRESH_AFTER}
     assert not cost_aware.AutoBudget(pair, prior=due).plain_autoregressive(2, 15)
     # The re-check drafts its first round; that round does not pay here, so the rest of the
-    # generation runs plain (no drafter work) and the next REFRESH_AFTER generations are plain.
+    # generation runs plain (no drafter work) and the next generations are plain again.
     recheck = cost_aware.AutoBudget(pair, prior=due)
     results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto", policy=recheck)
     assert [r.tokens for r in results] == [t[:16] for t in truths]
@@ -378,6 +378,18 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     assert "plain_runs" not in recheck.learned and recheck.measured_speedup is None
     assert "measured_speedup" not in recheck.learned
     assert cost_aware.AutoBudget(pair, prior=recheck.learned).plain_autoregressive(2, 15)
+    # Each re-check that does not pay doubles the plain generations before the next one.
+    doubled = 2 * cost_aware.AutoBudget.REFRESH_AFTER
+    assert recheck.learned["refresh_after"] == doubled
+    waiting = {**recheck.learned, "plain_runs": doubled - 1}
+    assert cost_aware.AutoBudget(pair, prior=waiting).plain_autoregressive(2, 15)
+    again = cost_aware.AutoBudget(pair, prior={**waiting, "plain_runs": doubled})
+    assert not again.plain_autoregressive(2, 15) and again.rechecking
+    capped = cost_aware.AutoBudget(pair, prior={
+        **waiting, "refresh_after": cost_aware.AutoBudget.REFRESH_MAX})
+    capped.start(2, 15, "cpu")
+    capped.plain_rest = True
+    assert capped.finish([1.0, 1.0])["refresh_after"] == cost_aware.AutoBudget.REFRESH_MAX
     # A re-check whose round pays (trees priced below an autoregressive round) keeps drafting.
     cheap = profile({0: 10.0, 4: 1.0, 8: 1.1, 16: 1.2, 32: 1.3, 64: 1.4}, batch=2)
     paying = cost_aware.AutoBudget(cheap, learn_costs=False, prior={
@@ -386,6 +398,7 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     results = generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=paying)
     assert [r.tokens for r in results] == truths
     assert paying.reasons[0] == "re-check" and not paying.plain_rest
+    assert "refresh_after" not in paying.learned  # back to REFRESH_AFTER
     assert sum(b > 0 for b in paying.choices) > 1
     never = profile({0: 1.0, 4: 9.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}, batch=1)
     assert cost_aware.AutoBudget(never).plain_autoregressive(1, 15)

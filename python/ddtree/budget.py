@@ -398,8 +398,7 @@ class AutoBudget:
         self.cost_ratios: Dict[int, Dict[int, float]] = {
             int(b): {int(k): v for k, v in r.items()}
             for b, r in ((self.prior or {}).get("cost_ratios") or {}).items()}
-        # A re-check (plain_autoregressive: the REFRESH_AFTER-th generation that would have run
-        # plain) drafts its first round; where that round does not pay, `plain_rest` is set and
+        # A re-check (plain_autoregressive: the generation after `refresh_after` plain ones) drafts its first round; where that round does not pay, `plain_rest` is set and
         # the loop runs the rest of the generation as plain autoregressive rounds.
         self.rechecking = self.plain_rest = False
 
@@ -425,6 +424,8 @@ class AutoBudget:
         """At the end of a generation: what the next one may start from (the expected gains
         averaged with what earlier generations learned)."""
         learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios)
+        if self.plain_rest:
+            learned["refresh_after"] = min(self.REFRESH_MAX, 2 * self.refresh_after())
         if self.per_request is not None:
             before = (self.prior or {}).get("expected_per_request")
             learned["expected_per_request"] = list(self.per_request) if not before else \
@@ -445,7 +446,8 @@ class AutoBudget:
         return not any(self.rate(b, 1.0 + min(b, depth)) > self.rate(0, 1.0)
                        for b in self.buckets if b > 0)
 
-    REFRESH_AFTER = 8  # plain generations on learned gains before one drafts again
+    REFRESH_AFTER = 8  # plain generations on learned gains before one drafts again (re-check)
+    REFRESH_MAX = 64   # ... doubling after each re-check that does not pay, up to this many
 
     def plain_autoregressive(self, batch: int, depth: int) -> bool:
         """Whether a whole generation runs as plain autoregressive decoding: when no tree could
@@ -457,10 +459,12 @@ class AutoBudget:
         estimates said). A single
         request's gains swing with its prompt (tree 16 on the held-out prompts: 1.4 to 8.6
         tokens a round), so at batch 1 one generation says little about the next and probes
-        decide instead; a batch's estimate averages its requests. Every REFRESH_AFTER-th such
-        generation re-checks (`rechecking`): its first round drafts, and unless that round pays
-        the rest of it is plain (`plain_rest`: the loop leaves the drafter alone, as a plain
-        generation would; the AR rounds of the auto loop keep the drafter's context current)."""
+        decide instead; a batch's estimate averages its requests. After REFRESH_AFTER such
+        generations one re-checks (`rechecking`): its first round drafts, and unless that round
+        pays the rest of it is plain (`plain_rest`: the loop leaves the drafter alone, as a
+        plain generation would; the AR rounds of the auto loop keep the drafter's context
+        current), and the plain generations before the next re-check double (up to
+        REFRESH_MAX: drafting that keeps not paying costs ever fewer probes)."""
         if self.never_drafts(depth):
             self.plain_reason = "no tree could pay even if every node were accepted"
             return True
@@ -474,13 +478,18 @@ class AutoBudget:
             elif prior.get("measured_speedup", math.inf) < 1.0:
                 reason = ("measured: drafting generations at this batch size took longer than "
                           "autoregressive decoding would have")
-        if reason is not None and prior.get("plain_runs", 0) < self.REFRESH_AFTER:
+        if reason is not None and prior.get("plain_runs", 0) < self.refresh_after():
             self.plain_reason = reason
             return True
         self.rechecking = reason is not None
         return False
 
     RECHECK_FAILED = "re-check: drafting still does not pay"
+
+    def refresh_after(self) -> int:
+        """Plain generations on learned gains before the next re-check: REFRESH_AFTER after a
+        drafting generation, doubled by each re-check that did not pay since."""
+        return (self.prior or {}).get("refresh_after", self.REFRESH_AFTER)
 
     def record_plain_rest(self, rounds: int) -> None:
         """The `rounds` plain autoregressive rounds that ended a re-check (plain_rest)."""
