@@ -217,20 +217,6 @@ def test_learned_state_carries_over_between_generations(monkeypatch):
     assert second.per_request == first.learned["expected_per_request"]
     assert second.cost_ratios == first.cost_ratios and second.cost(4) == first.cost(4)
     assert second.calibration_prior() == first.learned["calibration"]
-    # The calibration (the drafter's confidence against the target) is shared by every batch
-    # size; the expected gains and costs are not.
-    pair = profile(cheap.round_ms, batch=2)
-    other = cost_aware.auto_policy(target, drafter, 2, pair)
-    assert other.calibration_prior() == first.learned["calibration"]
-    assert set(other.prior) == {"calibration"}
-    # A generation that did not draft leaves the shared calibration as it was.
-    plain = cost_aware.auto_policy(target, drafter, 2, pair)
-    plain.plain_reason = "test"
-    plain.prior = {**plain.prior, "calibration": [9.0, 1.0]}
-    plain.record_autoregressive(5)
-    cost_aware.remember(plain)
-    third = cost_aware.auto_policy(target, drafter, 4, profile(cheap.round_ms, batch=4))
-    assert third.calibration_prior() == first.learned["calibration"]
 
 
 class RecordingBudget(cost_aware.AutoBudget):

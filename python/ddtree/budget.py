@@ -685,8 +685,7 @@ class AutoBudget:
                 f"budget — {'; '.join(parts)}")
 
 
-# target -> {(id(drafter), batch): AutoBudget.finish(), (id(drafter), "calibration"): sums}
-_LEARNED = weakref.WeakKeyDictionary()
+_LEARNED = weakref.WeakKeyDictionary()  # target -> {(id(drafter), batch): AutoBudget.finish()}
 _LEARNED_LOCK = threading.Lock()
 
 
@@ -724,11 +723,7 @@ def auto_policy(target, drafter, batch: int, profile=None) -> AutoBudget:
             if found is not None:
                 smaller[b] = found
     with _LEARNED_LOCK:
-        learned = _LEARNED.get(target, {})
-        prior = learned.get((id(drafter), batch))
-        calibration = learned.get((id(drafter), "calibration"))
-    if calibration is not None:  # the drafter's confidence does not depend on the batch size
-        prior = {**(prior or {}), "calibration": calibration}
+        prior = _LEARNED.get(target, {}).get((id(drafter), batch))
     # Under tensor parallelism every rank must take the same bucket each round: round times
     # measured on each rank would differ, so the shared profile is used as measured.
     policy = AutoBudget(_shared(main), prior=prior, learn_costs=_world_size() == 1,
@@ -744,11 +739,7 @@ def remember(policy) -> None:
         return
     target, drafter_id, batch = key
     with _LEARNED_LOCK:
-        memory = _LEARNED.setdefault(target, {})
-        memory[(drafter_id, batch)] = learned
-        # The calibration is shared by every batch size: the latest drafting generation's.
-        if learned.get("calibration") and any(c > 0 for c in getattr(policy, "choices", ())):
-            memory[(drafter_id, "calibration")] = learned["calibration"]
+        _LEARNED.setdefault(target, {})[(drafter_id, batch)] = learned
 
 
 def pack_stats(expected: torch.Tensor, column: int, live: torch.Tensor,
