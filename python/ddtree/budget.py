@@ -398,8 +398,9 @@ class AutoBudget:
         self.cost_ratios: Dict[int, Dict[int, float]] = {
             int(b): {int(k): v for k, v in r.items()}
             for b, r in ((self.prior or {}).get("cost_ratios") or {}).items()}
-        # A re-check (plain_autoregressive: the generation after `refresh_after` plain ones) drafts its first round; where that round does not pay, `plain_rest` is set and
-        # the loop runs the rest of the generation as plain autoregressive rounds.
+        # A re-check (plain_autoregressive: the generation after refresh_after() plain ones)
+        # drafts its first round; where that round does not pay, `plain_rest` is set and the
+        # loop runs the rest of the generation as plain autoregressive rounds.
         self.rechecking = self.plain_rest = False
 
     def start(self, batch: int, depth: int, device) -> None:
@@ -456,15 +457,14 @@ class AutoBudget:
         this batch size put every tree below `plain_margin` of an autoregressive round, or when
         earlier drafting generations at this batch size were measured slower than
         autoregressive decoding would have been (observe_generation: the outcome, whatever the
-        estimates said). A single
-        request's gains swing with its prompt (tree 16 on the held-out prompts: 1.4 to 8.6
-        tokens a round), so at batch 1 one generation says little about the next and probes
-        decide instead; a batch's estimate averages its requests. After REFRESH_AFTER such
-        generations one re-checks (`rechecking`): its first round drafts, and unless that round
-        pays the rest of it is plain (`plain_rest`: the loop leaves the drafter alone, as a
-        plain generation would; the AR rounds of the auto loop keep the drafter's context
-        current), and the plain generations before the next re-check double (up to
-        REFRESH_MAX: drafting that keeps not paying costs ever fewer probes)."""
+        estimates said). A single request's gains swing with its prompt (tree 16 on the
+        held-out prompts: 1.4 to 8.6 tokens a round), so at batch 1 one generation says little
+        about the next and probes decide instead; a batch's estimate averages its requests.
+        After refresh_after() such generations one re-checks (`rechecking`): its first round
+        drafts, and unless that round pays the rest of it runs as plain autoregressive rounds
+        (`plain_rest`: no drafter, no auto-loop bookkeeping) and the plain generations before
+        the next re-check double (up to REFRESH_MAX: drafting that keeps not paying costs ever
+        fewer probes)."""
         if self.never_drafts(depth):
             self.plain_reason = "no tree could pay even if every node were accepted"
             return True
