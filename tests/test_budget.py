@@ -219,6 +219,81 @@ def test_learned_state_carries_over_between_generations(monkeypatch):
     assert second.calibration_prior() == first.learned["calibration"]
 
 
+def test_one_calibration_is_shared_by_every_batch_size():
+    """The drafter's confidence does not depend on the batch size: a batch-2 policy starts from
+    the calibration the latest drafting generation learned at batch 1; a generation that drafted
+    nothing leaves it as it was."""
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    cheap = {0: 10.0, 4: 10.5, 8: 11.0, 16: 11.5, 32: 12.0, 64: 13.0}
+    profiles = [profile(cheap, batch=1), profile(cheap, batch=2)]
+    alone = cost_aware.auto_policy(target, drafter, 1, profiles)
+    generate(target, drafter, torch.tensor([PROMPTS[0]]), 12, budget="auto", policy=alone)
+    assert any(alone.choices) and len(alone.learned["calibration"]) == \
+        cost_aware.Calibration.POSITIONS
+    pair = cost_aware.auto_policy(target, drafter, 2, profiles)
+    assert pair.calibration_prior() == alone.learned["calibration"]
+    dear = [profile({0: 1.0, 4: 90.0, 8: 92.0, 16: 95.0, 32: 97.0, 64: 99.0}, batch=b)
+            for b in (1, 2)]
+    plain = cost_aware.auto_policy(target, drafter, 2, dear)
+    generate_batch(target, drafter, PROMPTS[:2], 8, budget="auto", policy=plain)
+    assert not any(plain.choices)
+    again = cost_aware.auto_policy(target, drafter, 1, profiles)
+    assert again.calibration_prior() == alone.learned["calibration"]
+
+
+def test_calibration_per_round_position():
+    """Each of a generation's first rounds has its own calibration, later ones share the steady
+    one; an early position is shrunk towards the steady ratio by a prior worth PRIOR predicted
+    nodes (so one with no rounds follows it); sums of the steady position alone fill that one."""
+    cal = cost_aware.Calibration("cpu")
+    steady, prior = cal.STEADY, cost_aware.Calibration.PRIOR
+    assert [cal.position(i) for i in range(steady + 3)] == list(range(steady)) + [steady] * 3
+    assert [cal.ratio(p).item() for p in range(cal.POSITIONS)] == [1.0] * cal.POSITIONS
+    cal.update(torch.tensor([4.0]), torch.tensor([2]), position=0)  # 4 predicted, 1 accepted
+    assert cal.ratio(0).item() == pytest.approx((1 + prior * 1.0) / (4 + prior))
+    assert cal.ratio(1).item() == cal.ratio(steady).item() == 1.0
+    cal.update(torch.tensor([2.0]), torch.tensor([5]), position=steady)  # 2 predicted, 4 acc.
+    r_steady = (prior * cal.decay + 4) / (prior * cal.decay + 2)
+    assert cal.ratio(steady).item() == pytest.approx(r_steady)
+    assert cal.ratio(1).item() == pytest.approx(r_steady)
+    assert cal.ratio(0).item() == pytest.approx((1 + prior * r_steady) / (4 + prior))
+    assert cal.expected_tokens(torch.tensor(3.0), 0).item() == \
+        pytest.approx(1 + 3 * (1 + prior * r_steady) / (4 + prior))
+    factors = cost_aware.Calibration.position_factors(cal.sums.tolist())
+    assert factors[0] == pytest.approx((1 + prior * r_steady) / (4 + prior) / r_steady)
+    assert factors[1:] == pytest.approx([1.0] * (cal.POSITIONS - 1))
+    assert cost_aware.Calibration.position_factors(None) == [1.0] * cal.POSITIONS
+    flat = cost_aware.Calibration("cpu", sums=[3.0, 6.0])
+    assert flat.ratio(steady).item() == flat.ratio(0).item() == 0.5
+
+
+def test_early_rounds_use_their_positions_calibration():
+    """The drafter over-predicts a generation's first rounds: learned calibrations that say so
+    make the round's own prediction small there (predicted_lengths), and keep auto from drafting
+    those rounds where the steady estimates would draft (lossless throughout)."""
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    truth = greedy_reference(target, torch.tensor([PROMPTS[0]]), 24)
+    steady = cost_aware.Calibration.STEADY
+    early_wrong = [[0.0, 1e6]] * steady + [[2.0, 2.0]]  # early rounds: nothing accepted
+    fixed = cost_aware.FixedBucket(16, prior=dict(calibration=early_wrong))
+    r = generate(target, drafter, torch.tensor([PROMPTS[0]]), 24, budget="auto", policy=fixed)
+    assert r.tokens == truth and len(r.predicted_lengths) > steady
+    assert r.predicted_lengths[:steady] == pytest.approx([1.0] * steady, abs=1e-3)
+    assert all(p > 1.01 for p in r.predicted_lengths[steady:])
+    assert fixed.learned["calibration"][0][1] > 1e6 * 0.95  # round 0's prediction added
+    cheap = profile({0: 10.0, 4: 15.0, 8: 15.5, 16: 16.0, 32: 17.0, 64: 18.0})
+    strong = {"expected_per_request": [1.0, 3.0, 3.0, 3.0, 3.0, 3.0]}
+    for calibration, drafts_from in ([[2.0, 2.0]], 0), (early_wrong, steady):
+        policy = cost_aware.AutoBudget(cheap, prior={**strong, "calibration": calibration},
+                                       learn_costs=False)
+        r = generate(target, drafter, torch.tensor([PROMPTS[0]]), 24, budget="auto",
+                     policy=policy)
+        assert r.tokens == truth
+        assert policy.choices[:drafts_from] == [0] * drafts_from
+        assert policy.choices[drafts_from] > 0
+        assert policy.reasons[drafts_from] == "best expected tokens/s"
+
+
 class RecordingBudget(cost_aware.AutoBudget):
     """AutoBudget that keeps every round's statistics."""
 

@@ -47,30 +47,62 @@ FIXED_POINT = 1_000_000          # float statistics travel in the round's int64 
 class Calibration:
     """Maps the drafter's predicted acceptance to the observed one: decayed sums over rounds and
     requests of the predicted accepted draft nodes of the verified trees (`pred`) and of the
-    accepted ones (`obs`); calibrated expected nodes = predicted * obs / pred. Device tensors,
-    updated from each verdict without a host read. Starts at a ratio of 1 (a prior worth
-    `prior` accepted nodes)."""
+    accepted ones (`obs`); calibrated expected nodes = predicted * obs / pred. One pair of sums
+    per round position: a generation's rounds 0 .. POSITIONS - 2 each have their own, later
+    rounds share the last (`STEADY`) — the drafter is far more over-confident in a generation's
+    first rounds than later (bench/bench_calibration.py). The steady ratio starts at 1 (a prior
+    worth `prior` accepted nodes); an early position's ratio is shrunk towards the steady one by
+    a prior worth `prior` predicted nodes, so a position with no rounds yet follows it. Device
+    tensors [POSITIONS, 2], updated from each verdict without a host read."""
 
-    def __init__(self, device, decay: float = 0.95, prior: float = 2.0,
-                 sums: Optional[List[float]] = None):
-        self.sums = torch.tensor(sums, dtype=torch.float32, device=device) if sums else \
-            torch.full((2,), prior, device=device)  # (obs, pred)
-        self.decay = decay
+    POSITIONS = 7
+    STEADY = POSITIONS - 1
+    PRIOR = 2.0
 
-    def ratio(self) -> torch.Tensor:
-        return self.sums[0] / self.sums[1].clamp(min=1e-6)
+    def __init__(self, device, decay: float = 0.95, prior: float = PRIOR,
+                 sums: Optional[Sequence] = None):
+        self.sums = torch.zeros((self.POSITIONS, 2), device=device)  # (obs, pred)
+        if sums:  # [POSITIONS, 2], or the steady (obs, pred) alone
+            given = torch.tensor(sums, dtype=torch.float32, device=device).view(-1, 2)
+            self.sums[-given.shape[0]:] = given
+        else:
+            self.sums[self.STEADY] = prior
+        self.decay, self.prior = decay, prior
 
-    def expected_tokens(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Calibrated expected tokens a round emits (the bonus + calibrated accepted nodes) from
-        the drafter's expected accepted nodes (any shape)."""
-        return 1.0 + nodes * self.ratio()
+    @classmethod
+    def position(cls, round_index: int) -> int:
+        """The calibration a generation's round `round_index` (0-based) uses."""
+        return min(round_index, cls.STEADY)
 
-    def update(self, predicted: torch.Tensor, accept_len: torch.Tensor) -> None:
+    def ratio(self, position: int = STEADY) -> torch.Tensor:
+        steady = self.sums[self.STEADY, 0] / self.sums[self.STEADY, 1].clamp(min=1e-6)
+        if position == self.STEADY:
+            return steady
+        obs, pred = self.sums[position]
+        return (obs + self.prior * steady) / (pred + self.prior)
+
+    def expected_tokens(self, nodes: torch.Tensor, position: int = STEADY) -> torch.Tensor:
+        """Calibrated expected tokens a round at `position` emits (the bonus + calibrated
+        accepted nodes) from the drafter's expected accepted nodes (any shape)."""
+        return 1.0 + nodes * self.ratio(position)
+
+    def update(self, predicted: torch.Tensor, accept_len: torch.Tensor,
+               position: int = STEADY) -> None:
         """predicted [B]: the verified trees' predicted accepted nodes (0 for requests that did
-        not take part); accept_len [B] (root counted; 0 for them)."""
+        not take part); accept_len [B] (root counted; 0 for them); position: the round's."""
         both = torch.stack([(accept_len - 1).clamp(min=0).to(predicted.dtype).sum(),
                             predicted.sum()])
-        self.sums.mul_(self.decay).add_(both)
+        self.sums[position].mul_(self.decay).add_(both)
+
+    @classmethod
+    def position_factors(cls, sums: Optional[Sequence], prior: float = PRIOR) -> List[float]:
+        """Host side, from sums read back at the end of a generation (finish): each position's
+        ratio over the steady one (1 where nothing is known)."""
+        if not sums or len(sums) != cls.POSITIONS:
+            return [1.0] * cls.POSITIONS
+        steady = sums[-1][0] / max(sums[-1][1], 1e-6)
+        return [(obs + prior * steady) / (pred + prior) / max(steady, 1e-6)
+                for obs, pred in sums[:-1]] + [1.0]
 
 
 # ---- measured cost ----
@@ -275,8 +307,9 @@ def _same_on_every_rank(round_ms: Dict[int, float]) -> Dict[int, float]:
 @dataclass
 class RoundStats:
     """What one round tells the host (decoded from the round's host read)."""
-    expected: List[float]        # per bucket: summed calibrated expected tokens of live requests
-    predicted: List[float]       # per request: calibrated expected tokens of the chosen bucket
+    # per bucket: summed calibrated expected tokens of live requests (the steady calibration)
+    expected: List[float]
+    predicted: List[float]       # per request: the round's expected tokens (its position's)
     live: int                    # requests still generating
     # per batch row, per bucket: that request's calibrated expected tokens (rows that took no
     # part: zeros), and the request in each row (filled in by the loop)
@@ -417,6 +450,9 @@ class AutoBudget:
         self.in_run = False  # the last round drafted for its gain, or was a probe that paid
         self.plain_rest = False
         self.initial_batch, self.measured_speedup = self.profile.batch, None
+        # The statistics are steady-state estimates; a round at an early position of the
+        # generation expects its position's calibration instead (known from earlier generations).
+        self.position_factor = Calibration.position_factors(self.calibration_prior())
 
     def calibration_prior(self) -> Optional[List[float]]:
         return self.prior.get("calibration") if self.prior else None
@@ -604,6 +640,19 @@ class AutoBudget:
             return {r: self.by_request.get(r, self.per_request) for r in self.remaining}
         return self.per_request
 
+    def _at_position(self, estimates, round_index: int):
+        """Steady-state estimates (per request id, or per bucket) as expected at the
+        generation's round `round_index`: the accepted nodes scaled by that position's
+        calibration over the steady one."""
+        f = self.position_factor[Calibration.position(round_index)]
+        if f == 1.0:
+            return estimates
+        scale = lambda row: [e if b == 0 else 1.0 + (e - 1.0) * f
+                             for b, e in zip(self.buckets, row)]
+        if isinstance(estimates, dict):
+            return {r: scale(row) for r, row in estimates.items()}
+        return scale(estimates)
+
     def _best_tree(self, expected=None) -> int:
         """The tree bucket of most expected speed-up (speedup)."""
         return max((self.speedup(b, expected), b) for b in self.buckets if b > 0)[1]
@@ -616,7 +665,7 @@ class AutoBudget:
         if self.never_drafts(self.depth):  # both sides scale with the live requests
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
-            estimates = self._estimates()  # once per round, for every bucket
+            estimates = self._at_position(self._estimates(), len(self.choices))
             tree = self._best_tree(estimates)
             drafting = self.since_draft == 0 and self.in_run
             if self.rechecking and not self.choices:
@@ -685,7 +734,8 @@ class AutoBudget:
                 f"budget — {'; '.join(parts)}")
 
 
-_LEARNED = weakref.WeakKeyDictionary()  # target -> {(id(drafter), batch): AutoBudget.finish()}
+# target -> {(id(drafter), batch): AutoBudget.finish(), (id(drafter), "calibration"): sums}
+_LEARNED = weakref.WeakKeyDictionary()
 _LEARNED_LOCK = threading.Lock()
 
 
@@ -723,7 +773,11 @@ def auto_policy(target, drafter, batch: int, profile=None) -> AutoBudget:
             if found is not None:
                 smaller[b] = found
     with _LEARNED_LOCK:
-        prior = _LEARNED.get(target, {}).get((id(drafter), batch))
+        learned = _LEARNED.get(target, {})
+        prior = learned.get((id(drafter), batch))
+        calibration = learned.get((id(drafter), "calibration"))
+    if calibration is not None:  # the drafter's confidence does not depend on the batch size
+        prior = {**(prior or {}), "calibration": calibration}
     # Under tensor parallelism every rank must take the same bucket each round: round times
     # measured on each rank would differ, so the shared profile is used as measured.
     policy = AutoBudget(_shared(main), prior=prior, learn_costs=_world_size() == 1,
@@ -739,17 +793,22 @@ def remember(policy) -> None:
         return
     target, drafter_id, batch = key
     with _LEARNED_LOCK:
-        _LEARNED.setdefault(target, {})[(drafter_id, batch)] = learned
+        memory = _LEARNED.setdefault(target, {})
+        memory[(drafter_id, batch)] = learned
+        # One calibration for every batch size: the latest generation's that drafted.
+        if learned.get("calibration") and any(c > 0 for c in getattr(policy, "choices", ())):
+            memory[(drafter_id, "calibration")] = learned["calibration"]
 
 
-def pack_stats(expected: torch.Tensor, column: int, live: torch.Tensor,
+def pack_stats(expected: torch.Tensor, predicted: torch.Tensor, live: torch.Tensor,
                width: int) -> torch.Tensor:
     """The auto round's statistics as int64 rows of `width` to append to the round's host read:
-    per bucket column the summed expected tokens of the live requests, the live count, each
-    request's expected tokens of the verified bucket (`column`), then every request's expected
-    tokens per bucket (row-major, zeros for rows that took no part); fixed point."""
+    per bucket column the summed expected tokens (`expected` [B, buckets]) of the live requests,
+    the live count, each request's predicted tokens of the round (`predicted` [B]), then every
+    request's expected tokens per bucket (row-major, zeros for rows that took no part); fixed
+    point."""
     w = live.to(expected.dtype)
-    flat = torch.cat([(expected * w[:, None]).sum(0), w.sum()[None], expected[:, column],
+    flat = torch.cat([(expected * w[:, None]).sum(0), w.sum()[None], predicted,
                       (expected * w[:, None]).flatten()])
     flat = (flat * FIXED_POINT).round().long()
     return torch.nn.functional.pad(flat, (0, -flat.numel() % width)).view(-1, width)

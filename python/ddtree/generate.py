@@ -566,8 +566,11 @@ class _AutoRounds:
             full = ops.draft_tree(draft_logits, bonus, built,
                                   vocab_shard=_head_shard(self.shard, draft_logits))
             nodes = ops.expected_accepts(full).index_select(1, self.index[built])  # [B, buckets]
+            # The policy's statistics look ahead (the steady calibration); the round's own
+            # prediction is its position's.
             expected = self.calibration.expected_tokens(nodes)
             predicted = nodes[:, self.buckets.index(bucket)]
+            position = cost_aware.Calibration.position(self.rounds)
             tree = ops.first_nodes(full, bucket)
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, committed_len)
         clock.mark()
@@ -581,9 +584,11 @@ class _AutoRounds:
             draft.defer(hidden_states)
         else:
             draft.commit(hidden_states, verdict)
-            self.calibration.update(predicted * (verdict.accept_len > 0), verdict.accept_len)
-            emitted = torch.cat([emitted, cost_aware.pack_stats(
-                expected, self.buckets.index(bucket), took_part, emitted.shape[1])])
+            own = self.calibration.expected_tokens(predicted, position)
+            self.calibration.update(predicted * (verdict.accept_len > 0), verdict.accept_len,
+                                    position)
+            emitted = torch.cat([emitted, cost_aware.pack_stats(expected, own, took_part,
+                                                                emitted.shape[1])])
         rows = emitted.tolist()  # the round's one host read
         stats = None if bucket == 0 else \
             cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch)

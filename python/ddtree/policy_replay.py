@@ -96,8 +96,9 @@ def replay(record: DraftRecord, costs: Dict[int, float], policy,
            clock: Optional[Callable[[int], float]] = None) -> Replayed:
     """Runs `policy` (AutoBudget, FixedBucket or anything with choose / observe) over the
     record's positions as the auto loop would at batch 1: the round's bucket from the policy; a
-    drafted round's calibrated expected tokens (1 + nodes x calibration ratio) for every bucket
-    as its statistics, the calibration updated with the verified bucket's prediction and what it
+    drafted round's calibrated expected tokens (1 + nodes x calibration ratio; the steady ratio,
+    and the round position's for its own prediction) for every bucket as its statistics, the
+    round position's calibration updated with the verified bucket's prediction and what it
     emitted; remaining tokens before each choice. Rounds are priced at `costs`; the policy is
     told clock(bucket) as each round's wall time (default: its cost; JitteredClock: a machine
     whose speed drifts). The record's positions bound the generation (new_tokens of
@@ -116,11 +117,12 @@ def replay(record: DraftRecord, costs: Dict[int, float], policy,
         n = record.emitted[k - 1][column]
         if bucket > 0:
             nodes = torch.tensor([record.expected[k - 1]])
+            position = cost_aware.Calibration.position(len(out.choices))
             expected = calibration.expected_tokens(nodes)[0].tolist()
-            calibration.update(nodes[:, column], torch.tensor([n]))
-            stats = cost_aware.RoundStats(expected=expected, live=1,
-                                          predicted=[expected[column]], per_row=[expected],
-                                          requests=[0])
+            predicted = calibration.expected_tokens(nodes[0, column], position).item()
+            calibration.update(nodes[:, column], torch.tensor([n]), position)
+            stats = cost_aware.RoundStats(expected=expected, live=1, predicted=[predicted],
+                                          per_row=[expected], requests=[0])
         k += n
         out.choices.append(bucket)
         out.emitted.append(n)
