@@ -5,7 +5,8 @@ expected tokens per second, autoregressive decoding included.
   prefix of the tree's rows (the best n-node trees), the expected number of accepted nodes if
   the target followed the drafter (ddtree.expected_accepts). `Calibration` (device tensors)
   maps the drafter's predicted acceptance to the observed one: decayed sums of predicted and
-  accepted nodes, updated from every verdict on the device.
+  accepted nodes per round position (a generation's first rounds are over-predicted), updated
+  from every verdict on the device, one calibration for every batch size.
 - Measured cost: `CostProfile` holds the milliseconds of one round of each bucket on this
   device / dtype / architecture / batch size, measured by `calibrate` (a few short generations,
   the same loop the real rounds run) and cached on disk (`ddtree calibrate` prints and plots
@@ -412,7 +413,8 @@ class AutoBudget:
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
     # What earlier generations learned (expected tokens per request per bucket, calibration
     # sums, measured cost ratios, plain generations in a row): a new generation starts from it
-    # (auto_policy keeps it per target, drafter and batch size).
+    # (auto_policy keeps it per target, drafter and batch size; the calibration sums per target
+    # and drafter).
     prior: Optional[dict] = None
     choices: List[int] = field(default_factory=list)
     reasons: List[str] = field(default_factory=list)
