@@ -265,6 +265,8 @@ def test_calibration_per_round_position():
     assert cost_aware.Calibration.position_factors(None) == [1.0] * cal.POSITIONS
     flat = cost_aware.Calibration("cpu", sums=[3.0, 6.0])
     assert flat.ratio(steady).item() == flat.ratio(0).item() == 0.5
+    with pytest.raises(ValueError, match=r"sums must be \(obs, pred\) or \[7, 2\]"):
+        cost_aware.Calibration("cpu", sums=[[1.0, 2.0]] * 3)
 
 
 def test_early_rounds_use_their_positions_calibration():
@@ -283,7 +285,7 @@ def test_early_rounds_use_their_positions_calibration():
     assert fixed.learned["calibration"][0][1] > 1e6 * 0.95  # round 0's prediction added
     cheap = profile({0: 10.0, 4: 15.0, 8: 15.5, 16: 16.0, 32: 17.0, 64: 18.0})
     strong = {"expected_per_request": [1.0, 3.0, 3.0, 3.0, 3.0, 3.0]}
-    for calibration, drafts_from in ([[2.0, 2.0]], 0), (early_wrong, steady):
+    for calibration, drafts_from in ([2.0, 2.0], 0), (early_wrong, steady):
         policy = cost_aware.AutoBudget(cheap, prior={**strong, "calibration": calibration},
                                        learn_costs=False)
         r = generate(target, drafter, torch.tensor([PROMPTS[0]]), 24, budget="auto",

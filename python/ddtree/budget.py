@@ -64,8 +64,11 @@ class Calibration:
                  sums: Optional[Sequence] = None):
         self.sums = torch.zeros((self.POSITIONS, 2), device=device)  # (obs, pred)
         if sums:  # [POSITIONS, 2], or the steady (obs, pred) alone
-            given = torch.tensor(sums, dtype=torch.float32, device=device).view(-1, 2)
-            self.sums[-given.shape[0]:] = given
+            given = torch.tensor(sums, dtype=torch.float32, device=device)
+            if given.shape not in ((2,), (self.POSITIONS, 2)):
+                raise ValueError(f"Calibration: sums must be (obs, pred) or [{self.POSITIONS}, 2] "
+                                 f"(one pair per round position), got shape {tuple(given.shape)}")
+            self.sums[-given.view(-1, 2).shape[0]:] = given.view(-1, 2)
         else:
             self.sums[self.STEADY] = prior
         self.decay, self.prior = decay, prior
