@@ -99,14 +99,13 @@ class Calibration:
         self.sums[position].mul_(self.decay).add_(both)
 
     @classmethod
-    def position_factors(cls, sums: Optional[Sequence], prior: float = PRIOR) -> List[float]:
-        """Host side, from sums read back at the end of a generation (finish): each position's
-        ratio over the steady one (1 where nothing is known)."""
-        if not sums or len(sums) != cls.POSITIONS:
+    def position_factors(cls, sums: Optional[Sequence]) -> List[float]:
+        """Host side, from the sums a generation left (finish): each position's ratio over the
+        steady one (all 1 before any)."""
+        if not sums:
             return [1.0] * cls.POSITIONS
-        steady = sums[-1][0] / max(sums[-1][1], 1e-6)
-        return [(obs + prior * steady) / (pred + prior) / max(steady, 1e-6)
-                for obs, pred in sums[:-1]] + [1.0]
+        ratios = [r.item() for r in map(cls("cpu", sums=sums).ratio, range(cls.POSITIONS))]
+        return [r / max(ratios[-1], 1e-6) for r in ratios[:-1]] + [1.0]
 
 
 # ---- measured cost ----
