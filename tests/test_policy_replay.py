@@ -91,3 +91,26 @@ def test_auto_keeps_its_goals_with_a_noisy_clock(records):
                                        clock=policy_replay.JitteredClock(costs, seed))
         best = max(v for k, v in speed.items() if k.startswith("tree"))
         assert speed["auto"] >= max(1.0, 0.95 * best), (seed, speed)
+
+
+def test_command_line_records_from_a_given_prompt_and_replays_stored_records(tmp_path, capsys):
+    """`--first 1 --prompts 1 --out F` records the second held-out prompt (the stored data's
+    second record); `--records F` replays the stored records without recording, printing what
+    speedups gives on them; a range past the held-out prompts is refused by name."""
+    stored = json.loads(DATA.read_text())
+    out = tmp_path / "one.json"
+    costs = REGIMES["measured"]
+    costs_json = json.dumps({str(b): ms for b, ms in costs.items()})
+    assert policy_replay.main(["--first", "1", "--prompts", "1", "--out", str(out),
+                               "--costs", costs_json]) == 0
+    written = json.loads(out.read_text())["records"]
+    assert len(written) == 1 and written[0]["emitted"] == stored["records"][1]["emitted"]
+    capsys.readouterr()
+    assert policy_replay.main(["--records", str(DATA), "--costs", costs_json]) == 0
+    printed = capsys.readouterr().out
+    records = [policy_replay.DraftRecord.from_json(r) for r in stored["records"]]
+    assert f"auto  {policy_replay.speedups(records, costs)['auto']:.3f}x" in printed
+    count = len(embedded.heldout_prompts(1000))
+    with pytest.raises(SystemExit):
+        policy_replay.main(["--first", str(count), "--prompts", "1"])
+    assert "--first" in capsys.readouterr().err

@@ -207,10 +207,12 @@ def speedups(records: Sequence[DraftRecord], costs: Dict[int, float],
 
 
 def main(argv=None) -> int:
-    """python -m ddtree.policy_replay [--prompts 16] [--new-tokens 96] [--out F] [--costs JSON]
-    [--noisy-clocks N]: records the embedded pair's drafts on held-out prompts (the data of
-    tests/test_policy_replay.py) and prints the replayed speed-ups of auto and the fixed trees
-    under a cost profile (default: the batch-1 profile measured on this machine)."""
+    """python -m ddtree.policy_replay [--prompts 16] [--first 0] [--new-tokens 96] [--out F]
+    [--records F] [--costs JSON] [--noisy-clocks N]: records the embedded pair's drafts on
+    held-out prompts (the first --prompts from the --first-th: the data of
+    tests/test_policy_replay.py by default; --records F reads records --out wrote instead) and
+    prints the replayed speed-ups of auto and the fixed trees under a cost profile (default: the
+    batch-1 profile measured on this machine)."""
     import argparse
     import json
 
@@ -218,18 +220,32 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ddtree.policy_replay")
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--first", type=int, default=0,
+                        help="index of the first held-out prompt recorded")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--out", default=None, help="write the records (JSON) here")
+    parser.add_argument("--records", default=None,
+                        help="replay the records of this JSON (as --out writes) instead")
     parser.add_argument("--costs", default=None,
                         help='JSON {"0": ms, "4": ms, ...}; default: calibrate batch 1 here')
     parser.add_argument("--noisy-clocks", type=int, default=0,
                         help="also replay auto told round times of N seeded JitteredClocks")
     args = parser.parse_args(argv)
+    if args.first < 0 or args.prompts < 1:
+        parser.error(f"--first must be >= 0 and --prompts >= 1, got {args.first} and "
+                     f"{args.prompts}")
     target, drafter, tokenizer = embedded.load()
-    records = []
-    for text in embedded.heldout_prompts(args.prompts):
-        prompt = tokenizer(text, return_tensors="pt").input_ids[0]
-        records.append(record_drafts(target, drafter, prompt, args.new_tokens))
+    if args.records:
+        with open(args.records) as f:
+            records = [DraftRecord.from_json(r) for r in json.load(f)["records"]]
+    else:
+        texts = embedded.heldout_prompts(args.first + args.prompts)[args.first:]
+        if len(texts) < args.prompts:
+            parser.error(f"--first {args.first} --prompts {args.prompts}: there are "
+                         f"{args.first + len(texts)} held-out prompts")
+        records = [record_drafts(target, drafter,
+                                 tokenizer(text, return_tensors="pt").input_ids[0],
+                                 args.new_tokens) for text in texts]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(pair="embedded", new_tokens=args.new_tokens,
