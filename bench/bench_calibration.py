@@ -64,6 +64,9 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if min(args.batches) < 1 or args.prompts < 1:
+        parser.error(f"--batches and --prompts must be >= 1, got {args.batches} and "
+                     f"{args.prompts}")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, drafter, tokenizer = embedded.load(dtype=dtype, device=args.device)
     hf.use_tree_attention(target)

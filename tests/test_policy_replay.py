@@ -114,3 +114,8 @@ def test_command_line_records_from_a_given_prompt_and_replays_stored_records(tmp
     with pytest.raises(SystemExit):
         policy_replay.main(["--first", str(count), "--prompts", "1"])
     assert "--first" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"records": [{"buckets": [0, 4]}]}')
+    for bad in (tmp_path / "missing.json", tmp_path / "bad.json"):
+        with pytest.raises(SystemExit):
+            policy_replay.main(["--records", str(bad), "--costs", costs_json])
+        assert "--records" in capsys.readouterr().err

@@ -236,8 +236,14 @@ def main(argv=None) -> int:
                      f"{args.prompts}")
     target, drafter, tokenizer = embedded.load()
     if args.records:
-        with open(args.records) as f:
-            records = [DraftRecord.from_json(r) for r in json.load(f)["records"]]
+        try:
+            with open(args.records) as f:
+                records = [DraftRecord.from_json(r) for r in json.load(f)["records"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--records {args.records}: not a JSON of records as --out writes "
+                         f"them ({type(e).__name__}: {e})")
+        if not records:
+            parser.error(f"--records {args.records}: holds no records")
     else:
         texts = embedded.heldout_prompts(args.first + args.prompts)[args.first:]
         if len(texts) < args.prompts:
