@@ -93,10 +93,12 @@ def test_auto_keeps_its_goals_with_a_noisy_clock(records):
         assert speed["auto"] >= max(1.0, 0.95 * best), (seed, speed)
 
 
-def test_command_line_records_from_a_given_prompt_and_replays_stored_records(tmp_path, capsys):
+def test_command_line_records_from_a_given_prompt_and_replays_stored_records(tmp_path, capsys,
+                                                                            monkeypatch):
     """`--first 1 --prompts 1 --out F` records the second held-out prompt (the stored data's
-    second record); `--records F` replays the stored records without recording, printing what
-    speedups gives on them; a range past the held-out prompts is refused by name."""
+    second record); `--records F --costs C` replays the stored records without loading the
+    pair, printing what speedups gives on them; a range past the held-out prompts, unreadable
+    records and costs that are not a JSON object or miss a bucket are refused by name."""
     stored = json.loads(DATA.read_text())
     out = tmp_path / "one.json"
     costs = REGIMES["measured"]
@@ -106,10 +108,20 @@ def test_command_line_records_from_a_given_prompt_and_replays_stored_records(tmp
     written = json.loads(out.read_text())["records"]
     assert len(written) == 1 and written[0]["emitted"] == stored["records"][1]["emitted"]
     capsys.readouterr()
+
+    def no_pair(*args, **kwargs):
+        raise AssertionError("replaying records at given costs needs no model")
+
+    monkeypatch.setattr(embedded, "load", no_pair)
     assert policy_replay.main(["--records", str(DATA), "--costs", costs_json]) == 0
     printed = capsys.readouterr().out
     records = [policy_replay.DraftRecord.from_json(r) for r in stored["records"]]
     assert f"auto  {policy_replay.speedups(records, costs)['auto']:.3f}x" in printed
+    for costs_arg in ("[1, 2]", '{"0": 1.0, "4": 2.0}'):
+        with pytest.raises(SystemExit):
+            policy_replay.main(["--records", str(DATA), "--costs", costs_arg])
+        assert "--costs" in capsys.readouterr().err
+    monkeypatch.undo()
     count = len(embedded.heldout_prompts(1000))
     with pytest.raises(SystemExit):
         policy_replay.main(["--first", str(count), "--prompts", "1"])

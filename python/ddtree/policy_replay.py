@@ -234,7 +234,15 @@ def main(argv=None) -> int:
     if args.first < 0 or args.prompts < 1:
         parser.error(f"--first must be >= 0 and --prompts >= 1, got {args.first} and "
                      f"{args.prompts}")
-    target, drafter, tokenizer = embedded.load()
+    costs = None
+    if args.costs:
+        try:
+            costs = {int(k): float(v) for k, v in json.loads(args.costs).items()}
+        except (ValueError, AttributeError, TypeError) as e:
+            parser.error(f'--costs must be a JSON object {{"0": ms, "4": ms, ...}}, got '
+                         f"{args.costs!r} ({type(e).__name__}: {e})")
+    # The pair is loaded only to record drafts or to measure the costs.
+    pair = embedded.load() if not (args.records and costs) else None
     if args.records:
         try:
             with open(args.records) as f:
@@ -249,6 +257,7 @@ def main(argv=None) -> int:
         if len(texts) < args.prompts:
             parser.error(f"--first {args.first} --prompts {args.prompts}: there are "
                          f"{args.first + len(texts)} held-out prompts")
+        target, drafter, tokenizer = pair
         records = [record_drafts(target, drafter,
                                  tokenizer(text, return_tensors="pt").input_ids[0],
                                  args.new_tokens) for text in texts]
@@ -256,8 +265,11 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(dict(pair="embedded", new_tokens=args.new_tokens,
                            records=[r.to_json() for r in records]), f, separators=(",", ":"))
-    costs = {int(k): float(v) for k, v in json.loads(args.costs).items()} if args.costs else \
-        cost_aware.calibrate(target, drafter, 1).round_ms
+    missing = sorted(set(records[0].buckets) - set(costs or records[0].buckets))
+    if missing:
+        parser.error(f"--costs has no cost for budgets {missing} (the records' buckets: "
+                     f"{records[0].buckets})")
+    costs = costs or cost_aware.calibrate(pair[0], pair[1], 1).round_ms
     print("round cost (ms): " + ", ".join(f"{b}: {ms:.2f}" for b, ms in sorted(costs.items())))
     for name, value in speedups(records, costs).items():
         print(f"{name:>22s}  {value:.3f}x autoregressive")
