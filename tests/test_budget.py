@@ -3,11 +3,13 @@ drafter's deferred context, dense and hybrid targets, batches, sampling), the dr
 after autoregressive rounds, the policy's choices against a cost profile, the cost profile's
 measurement and disk cache, and the calibration of predicted against observed tokens."""
 import json
+import os
 import statistics
 
 import pytest
 import torch
 
+import ddtree
 from ddtree import budget as cost_aware
 from ddtree import embedded
 from ddtree.generate import generate, generate_batch
@@ -203,6 +205,20 @@ def test_cost_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     from ddtree import hf
     hf.use_tree_attention(target)
     assert cost_aware.load_profile(target, drafter, 2) is None
+
+
+def test_a_rebuilt_extension_measures_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    built = cost_aware.build_version()
+    size = os.stat(ddtree._C.__file__).st_size
+    assert built.startswith(ddtree.__version__ + "+") and f"{size:x}." in built
+    measured = cost_aware.calibrate(target, drafter, 1, rounds=2, repeats=1, progress=False)
+    assert measured.version == built
+    assert cost_aware.load_profile(target, drafter, 1) == measured
+    # Another build of the kernels (other size or time stamp): the profile is not reused.
+    monkeypatch.setattr(cost_aware, "build_version", lambda: ddtree.__version__ + "+other")
+    assert cost_aware.load_profile(target, drafter, 1) is None
 
 
 def test_learned_state_carries_over_between_generations(monkeypatch):

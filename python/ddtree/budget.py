@@ -178,11 +178,20 @@ def cache_dir() -> Path:
     return Path(base) / "ddtree"
 
 
+def build_version() -> str:
+    """The library version and the compiled extension's size and modification time: a rebuilt
+    extension (other kernels, other costs) is measured again rather than priced by the old one."""
+    from . import _C
+
+    stat = os.stat(_C.__file__)
+    return f"{__version__}+{stat.st_size:x}.{stat.st_mtime_ns:x}"
+
+
 def profile_identity(target, drafter) -> dict:
     weight = target.get_input_embeddings().weight
     return dict(target=_model_key(target), drafter=_model_key(drafter),
                 device=device_name(weight.device), dtype=str(weight.dtype).replace("torch.", ""),
-                version=__version__)
+                version=build_version())
 
 
 def load_profile(target, drafter, batch: int) -> Optional[CostProfile]:
