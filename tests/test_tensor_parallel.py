@@ -55,6 +55,13 @@ def test_lossless_and_identical_on_every_rank(ranks, prefix):
         assert ranks[0][name] == ranks[1][name], name
 
 
+def test_a_profile_cached_on_one_rank_only_is_measured_on_every_rank(ranks):
+    seen = [r["calibrate-cached-on-one-rank"] for r in ranks]
+    assert seen[0]["round_ms"] == seen[1]["round_ms"]        # rank 0's measurement everywhere
+    assert seen[0]["round_ms"] != seen[0]["planted"]         # measured, not rank 0's cache
+    assert all(s["cached_after"] for s in seen)
+
+
 def test_hybrid_matches_transformers_greedy_and_accepts_deep_paths(ranks):
     for name in cases(ranks, "hybrid-0") + cases(ranks, "hybrid-1"):
         assert ranks[0][name]["tokens"] == ranks[0][name]["hf_greedy"], name

@@ -231,7 +231,9 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     library version / batch size / measuring rule (use_cache=False measures again)."""
     if use_cache:
         cached = load_profile(target, drafter, batch)
-        if cached is not None and set(buckets) <= set(cached.round_ms):
+        # Under tensor parallelism every rank measures or none does: a rank measuring alone
+        # would wait for the others' collectives.
+        if _on_every_rank(cached is not None and set(buckets) <= set(cached.round_ms)):
             return cached
     from .generate import generate_batch
 
@@ -300,6 +302,17 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """Whether `flag` holds on every rank under torch.distributed (else: `flag`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return all(flags)
 
 
 def _same_on_every_rank(round_ms: Dict[int, float]) -> Dict[int, float]:
@@ -783,7 +796,7 @@ def auto_policy(target, drafter, batch: int, profile=None) -> AutoBudget:
         smaller = {}
         for b in shrink_sizes(batch):
             found = given.get(b) or load_profile(target, drafter, b)
-            if found is not None:
+            if _on_every_rank(found is not None):  # the same sizes everywhere (_shared below)
                 smaller[b] = found
     with _LEARNED_LOCK:
         learned = _LEARNED.get(target, {})
