@@ -83,6 +83,7 @@ def main(out):
         cost_profile=cheap)
     # A cost profile cached on rank 0 only (each rank its own cache directory): every rank
     # measures (none waits alone on the others' collectives), and all use rank 0's measurement.
+    cache_dir = os.environ.get("DDTREE_CACHE_DIR")
     os.environ["DDTREE_CACHE_DIR"] = os.path.join(out, f"cache{rank}")
     planted = cost_aware.CostProfile(batch=1, round_ms={b: 1000.0 + b for b in cost_aware.BUCKETS},
                                      **cost_aware.profile_identity(tp, tiny_drafter()))
@@ -93,7 +94,10 @@ def main(out):
         planted={str(b): ms for b, ms in planted.round_ms.items()},
         round_ms={str(b): ms for b, ms in measured.round_ms.items()},
         cached_after=cost_aware.load_profile(tp, tiny_drafter(), 1) is not None)
-    del os.environ["DDTREE_CACHE_DIR"]
+    if cache_dir is None:
+        del os.environ["DDTREE_CACHE_DIR"]
+    else:
+        os.environ["DDTREE_CACHE_DIR"] = cache_dir
     # Sampling (temperature > 0) walks the gathered logits: the same tokens on every rank.
     merges[0] = 0
     sampled = generate(tp, tiny_drafter(), torch.tensor([prompt]), 24, mode="tree", budget=8,

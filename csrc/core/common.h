@@ -20,15 +20,6 @@
 #define DDTREE_UNROLL
 #endif
 
-// `#pragma omp simd reduction(+ : var)` on the next loop in the host builds (g++ with -fopenmp /
-// -fopenmp-simd: the CPU ops, the emulator, the C++ benchmarks): the sum may be reassociated
-// into vector lanes. Nothing under nvcc.
-#define DDTREE_PRAGMA(x) _Pragma(#x)
-#if defined(__CUDACC__)
-#define DDTREE_SIMD_SUM(var)
-#else
-#define DDTREE_SIMD_SUM(var) DDTREE_PRAGMA(omp simd reduction(+ : var))
-#endif
 
 namespace ddtree {
 

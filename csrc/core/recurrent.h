@@ -65,20 +65,30 @@ DDTREE_HOST_DEVICE int64_t conv_pool_slot(const TreeConvParams& p, int64_t b) {
 
 DDTREE_HOST_DEVICE float silu(float v) { return v / (1.f + expf(-v)); }
 
+// Element offsets of channel c: committed window position w of request b's pool row (channels
+// W apart), and tree row `node` of request b in x (channels adjacent).
+DDTREE_HOST_DEVICE int64_t conv_pool_offset(const TreeConvParams& p, int64_t b, int64_t c,
+                                            int64_t w) {
+  return (conv_pool_slot(p, b) * p.channels + c) * p.width + w;
+}
+DDTREE_HOST_DEVICE int64_t conv_x_offset(const TreeConvParams& p, int64_t b, int64_t node,
+                                         int64_t c) {
+  return (b * p.n + node) * p.channels + c;
+}
+
 // Output of channel c at node i of request b (window from conv_window_nodes); window positions
 // are summed in increasing w.
 DDTREE_HOST_DEVICE float tree_conv_value(const TreeConvParams& p, int64_t b, int64_t c,
                                          const ConvWindow& win) {
   const int W = static_cast<int>(p.width);
   const int from_state = W - win.have;  // window[w] = committed[have + w] for w < from_state
-  const int64_t pool_row = (conv_pool_slot(p, b) * p.channels + c) * p.width;
   float acc = p.bias ? p.bias[c] : 0.f;
   DDTREE_UNROLL
   for (int j = kMaxConvWidth - 1; j >= 0; --j) {
     if (j >= W) continue;
     const int w = W - 1 - j;
-    const float in = w < from_state ? load_elem(p.conv_pool, p.dtype, pool_row + win.have + w)
-                                    : load_elem(p.x, p.dtype, (b * p.n + win.back[j]) * p.channels + c);
+    const float in = w < from_state ? load_elem(p.conv_pool, p.dtype, conv_pool_offset(p, b, c, win.have + w))
+                                    : load_elem(p.x, p.dtype, conv_x_offset(p, b, win.back[j], c));
     acc += p.weight[c * W + w] * in;
   }
   return p.silu ? silu(acc) : acc;
@@ -198,30 +208,9 @@ DDTREE_HOST_DEVICE void gdn_load_qk(const TreeGdnParams& p, int64_t b, int64_t i
   }
 }
 
-// One step of one state column S[:, dv] (Dk floats): decay, delta-rule update with the value
-// v_dv, output S[:, dv] . q (when q is given).
-DDTREE_HOST_DEVICE float gdn_column_step(float* col, int64_t dk, const float* kn, const float* qn,
-                                         float v_dv, float g, float beta) {
-  const float decay = expf(g);
-  float kv = 0.f;
-  DDTREE_SIMD_SUM(kv)
-  for (int64_t d = 0; d < dk; ++d) {
-    col[d] *= decay;
-    kv += col[d] * kn[d];
-  }
-  const float delta = (v_dv - kv) * beta;
-  float o = 0.f;
-  if (qn) {
-    DDTREE_SIMD_SUM(o)
-    for (int64_t d = 0; d < dk; ++d) {
-      col[d] += kn[d] * delta;
-      o += col[d] * qn[d];
-    }
-  } else {
-    for (int64_t d = 0; d < dk; ++d) col[d] += kn[d] * delta;
-  }
-  return o;
-}
+// The step of one token (spec §7), state S [Dk, Dv]: S = exp(g) S; kv = S^T k;
+// S += k (beta (v - kv))^T; output S^T q. The CPU runs it over the whole state across Dv
+// (cpu/recurrent.cpp), a GPU quad of lanes over one column of it (kernels/recurrent.cu).
 
 DDTREE_HOST_DEVICE int64_t gdn_pool_column(const TreeGdnParams& p, int64_t b, int64_t h,
                                            int64_t d_k, int64_t d_v) {
@@ -263,11 +252,11 @@ struct CommitRecurrentParams {
 DDTREE_HOST_DEVICE void commit_conv_channel(const TreeConvParams& p, const int64_t* path,
                                             int64_t len, int64_t b, int64_t c) {
   void* pool = const_cast<void*>(p.conv_pool);
-  const int64_t W = p.width, row = (conv_pool_slot(p, b) * p.channels + c) * W;
+  const int64_t W = p.width, row = conv_pool_offset(p, b, c, 0);
   for (int64_t w = 0; w < W; ++w) {
     const int64_t from_end = W - 1 - w;  // position counted back from the last path node
     const float in = from_end < len
-                         ? load_elem(p.x, p.dtype, (b * p.n + path[len - 1 - from_end]) * p.channels + c)
+                         ? load_elem(p.x, p.dtype, conv_x_offset(p, b, path[len - 1 - from_end], c))
                          : load_elem(p.conv_pool, p.dtype, row + w + len);
     store_elem(pool, p.dtype, row + w, in);
   }

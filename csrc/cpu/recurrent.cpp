@@ -36,10 +36,10 @@ __attribute__((always_inline)) inline void conv_rows(const TreeConvParams& p, in
     for (int64_t w = 0; w < W; ++w) {
       if (w < from_state) {
         const float* __restrict__ pool =
-            static_cast<const float*>(p.conv_pool) + conv_pool_slot(p, b) * C * W + win.have + w;
+            static_cast<const float*>(p.conv_pool) + conv_pool_offset(p, b, 0, win.have + w);
         for (int64_t c = 0; c < C; ++c) a[c] += weight[c * W + w] * pool[c * W];
       } else {
-        const float* __restrict__ x = static_cast<const float*>(p.x) + (b * p.n + win.back[W - 1 - w]) * C;
+        const float* __restrict__ x = static_cast<const float*>(p.x) + conv_x_offset(p, b, win.back[W - 1 - w], 0);
         for (int64_t c = 0; c < C; ++c) a[c] += weight[c * W + w] * x[c];
       }
     }
@@ -52,10 +52,9 @@ __attribute__((always_inline)) inline void conv_rows(const TreeConvParams& p, in
   }
 }
 
-// The CPU steps a whole [Dk][Dv] state per token (the pool's layout, so roots copy a block), with
-// every loop running across Dv: no horizontal sums. Same update as gdn_column_step (decay, delta
-// rule, output), summed over d in increasing order for each column.
-//   kv = (decay S)^T k;  S = decay S + k (beta (v - kv))^T;  o = S^T q (when q is given)
+// The step of core/recurrent.h over a whole [Dk][Dv] state per token (the pool's layout, so roots
+// copy a block), every loop running across Dv: no horizontal sums; each column sums over d in
+// increasing order.
 struct GdnRowStep {
   std::vector<float> kv, delta, o, v;
   explicit GdnRowStep(int64_t dv) : kv(dv), delta(dv), o(dv), v(dv) {}

@@ -68,7 +68,7 @@ __device__ void gdn_load_qk_block(const TreeGdnParams& p, int64_t b, int64_t i, 
   __syncthreads();
 }
 
-// One step of the quad's column (gdn_column_step, split over 4 lanes); returns S[:, d_v] . q
+// One step of the quad's column (core/recurrent.h, split over 4 lanes); returns S[:, d_v] . q
 // (all lanes of the quad) when q is given.
 template <int kDk>
 __device__ __forceinline__ float gdn_quad_step(float (&col)[kDk / kGdnLanes], const float* kn,

@@ -22,6 +22,7 @@ expected tokens per second, autoregressive decoding included.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -178,9 +179,11 @@ def cache_dir() -> Path:
     return Path(base) / "ddtree"
 
 
+@functools.lru_cache(maxsize=None)
 def build_version() -> str:
     """The library version and the compiled extension's size and modification time: a rebuilt
-    extension (other kernels, other costs) is measured again rather than priced by the old one."""
+    extension (other kernels, other costs) is measured again rather than priced by the old one.
+    Read once: a process keeps the extension it loaded."""
     from . import _C
 
     stat = os.stat(_C.__file__)
