@@ -405,6 +405,38 @@ def test_round_statistics_cover_the_requests_that_took_part():
     assert policy.per_request[0] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("position", [0, 3, cost_aware.Calibration.STEADY])
+def test_round_statistics_travel_raw_and_are_calibrated_on_the_host(position):
+    """pack_stats sends the drafter's expected nodes, who took part and the calibration sums as
+    they were; unpack_stats gives what the device-side calibration (expected_tokens) gives: per
+    row 1 + nodes x the steady ratio (zeros for a row that took no part), their sum, and each
+    row's own prediction at the round's position. The update then counts the rows that took part
+    only."""
+    g = torch.Generator().manual_seed(position)
+    nodes = torch.rand(3, 6, generator=g).cumsum(1) * 3
+    nodes[:, 0] = 0.0
+    took_part = torch.tensor([1.0, 0.0, 1.0])
+    cal = cost_aware.Calibration("cpu", sums=(torch.rand(7, 2, generator=g) * 5 + 0.5).tolist())
+    width, column = 5, 3
+    emitted = torch.zeros(3, width, dtype=torch.long)
+    rows = torch.cat([emitted, cost_aware.pack_stats(nodes, took_part, cal.sums, width)]).tolist()
+    stats = cost_aware.unpack_stats(rows[3:], 6, 3, column, position)
+    want = cal.expected_tokens(nodes) * took_part[:, None]
+    close = dict(rtol=1e-5, atol=1e-4)  # fixed point: 1e-6 per value sent
+    torch.testing.assert_close(torch.tensor(stats.per_row), want, **close)
+    torch.testing.assert_close(torch.tensor(stats.expected), want.sum(0), **close)
+    assert stats.live == 2
+    torch.testing.assert_close(torch.tensor(stats.predicted),
+                               cal.expected_tokens(nodes[:, column], position), **close)
+    before = cal.sums.clone()
+    cal.update(nodes[:, column], torch.tensor([3, 0, 1]), position, took_part)
+    obs, pred = 2.0 + 0.0, float(nodes[0, column] + nodes[2, column])  # rows 0 and 2
+    assert cal.sums[position].tolist() == pytest.approx(
+        (before[position] * cal.decay + torch.tensor([obs, pred])).tolist())
+    others = [p for p in range(cal.POSITIONS) if p != position]
+    assert torch.equal(cal.sums[others], before[others])
+
+
 def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
     """The embedded pair on held-out prompts, trees of 16 every round: after one generation to
     learn the calibration, the calibrated predicted tokens per round of the next generations

@@ -79,12 +79,19 @@ class Calibration:
         """The calibration a generation's round `round_index` (0-based) uses."""
         return min(round_index, cls.STEADY)
 
-    def ratio(self, position: int = STEADY) -> torch.Tensor:
-        steady = self.sums[self.STEADY, 0] / self.sums[self.STEADY, 1].clamp(min=1e-6)
-        if position == self.STEADY:
+    @classmethod
+    def ratio_of(cls, sums, position: int = STEADY, prior: float = PRIOR):
+        """The calibration ratio at `position` of `sums` [POSITIONS, 2] (obs, pred): a device
+        tensor (a 0-d tensor out) or the host's nested lists (a float out)."""
+        (obs_s, pred_s), (obs, pred) = sums[cls.STEADY], sums[position]
+        floor = pred_s.clamp(min=1e-6) if torch.is_tensor(pred_s) else max(pred_s, 1e-6)
+        steady = obs_s / floor
+        if position == cls.STEADY:
             return steady
-        obs, pred = self.sums[position]
-        return (obs + self.prior * steady) / (pred + self.prior)
+        return (obs + prior * steady) / (pred + prior)
+
+    def ratio(self, position: int = STEADY) -> torch.Tensor:
+        return self.ratio_of(self.sums, position, self.prior)
 
     def expected_tokens(self, nodes: torch.Tensor, position: int = STEADY) -> torch.Tensor:
         """Calibrated expected tokens a round at `position` emits (the bonus + calibrated
@@ -92,12 +99,14 @@ class Calibration:
         return 1.0 + nodes * self.ratio(position)
 
     def update(self, predicted: torch.Tensor, accept_len: torch.Tensor,
-               position: int = STEADY) -> None:
-        """predicted [B]: the verified trees' predicted accepted nodes (0 for requests that did
-        not take part); accept_len [B] (root counted; 0 for them); position: the round's."""
-        both = torch.stack([(accept_len - 1).clamp(min=0).to(predicted.dtype).sum(),
-                            predicted.sum()])
-        self.sums[position].mul_(self.decay).add_(both)
+               position: int = STEADY, took_part: Optional[torch.Tensor] = None) -> None:
+        """predicted [B]: the verified trees' predicted accepted nodes; accept_len [B] (root
+        counted); took_part [B]: 1 for the requests that took part in the round (default:
+        accept_len > 0), whose rows alone count; position: the round's."""
+        if took_part is None:
+            took_part = accept_len > 0
+        rows = torch.stack([accept_len.to(predicted.dtype) - 1, predicted])  # [2, B]
+        self.sums[position].addmv_(rows, took_part.to(predicted.dtype), beta=self.decay)
 
     @classmethod
     def position_factors(cls, sums: Optional[Sequence]) -> List[float]:
@@ -464,6 +473,7 @@ class AutoBudget:
         # drafts its first round; where that round does not pay, `plain_rest` is set and the
         # loop runs the rest of the generation as plain autoregressive rounds.
         self.rechecking = self.plain_rest = False
+        self._costs: Optional[Dict[int, float]] = None  # cost() of every bucket while choosing
 
     def start(self, batch: int, depth: int, device) -> None:
         for profile in [self.profile, *self.smaller.values()]:
@@ -604,6 +614,8 @@ class AutoBudget:
         """Milliseconds of a round of `bucket` at the current batch size (or `batch`, one with a
         profile): the profile's, times its kind's measured ratio at that size (or, before a
         round of that kind has run, the other kind's)."""
+        if batch is None and self._costs is not None:
+            return self._costs[bucket]
         profile = self.profile if batch is None else \
             {p.batch: p for p in [self.profile, *self.smaller.values()]}.get(batch, self.profile)
         ratios = self.cost_ratios.get(profile.batch, {}) if self.learn_costs else {}
@@ -691,6 +703,15 @@ class AutoBudget:
         return self.speedup(bucket, expected) >= (self.hurdle if factor is None else factor)
 
     def choose(self) -> int:
+        # The costs do not change while choosing: each bucket's is read once (choose compares
+        # every bucket several times; this runs once a round, on the host).
+        self._costs = {b: self.cost(b) for b in self.buckets}
+        try:
+            return self._choose()
+        finally:
+            self._costs = None
+
+    def _choose(self) -> int:
         if self.never_drafts(self.depth):  # both sides scale with the live requests
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
@@ -829,24 +850,32 @@ def remember(policy) -> None:
             memory[(drafter_id, "calibration")] = learned["calibration"]
 
 
-def pack_stats(expected: torch.Tensor, predicted: torch.Tensor, live: torch.Tensor,
+def pack_stats(nodes: torch.Tensor, live: torch.Tensor, sums: torch.Tensor,
                width: int) -> torch.Tensor:
-    """The auto round's statistics as int64 rows of `width` to append to the round's host read:
-    per bucket column the summed expected tokens (`expected` [B, buckets]) of the live requests,
-    the live count, each request's predicted tokens of the round (`predicted` [B]), then every
-    request's expected tokens per bucket (row-major, zeros for rows that took no part); fixed
-    point."""
-    w = live.to(expected.dtype)
-    flat = torch.cat([(expected * w[:, None]).sum(0), w.sum()[None], predicted,
-                      (expected * w[:, None]).flatten()])
-    flat = (flat * FIXED_POINT).round().long()
+    """The auto round's statistics as int64 rows of `width` to append to the round's host read
+    (fixed point): the drafter's expected accepted nodes of every request per bucket (`nodes`
+    [B, buckets], row-major), which requests took part (`live` [B], 1 / 0) and the calibration
+    sums (`sums` [POSITIONS, 2], before the round's update). unpack_stats calibrates on the
+    host: a few device ops a round instead of one per statistic."""
+    flat = torch.cat([nodes.flatten(), live.to(nodes.dtype), sums.flatten()])
+    flat = (flat * FIXED_POINT).round_().long()
     return torch.nn.functional.pad(flat, (0, -flat.numel() % width)).view(-1, width)
 
 
-def unpack_stats(rows: List[List[int]], buckets: int, batch: int) -> RoundStats:
+def unpack_stats(rows: List[List[int]], buckets: int, batch: int, column: int,
+                 position: int) -> RoundStats:
+    """The RoundStats of pack_stats' rows: each request's calibrated expected tokens per bucket
+    (1 + nodes x the steady ratio; zeros for rows that took no part), their sum over those that
+    took part, and each request's expected tokens of the round (`column`: the verified bucket's,
+    calibrated at the round's `position`)."""
     flat = [v / FIXED_POINT for row in rows for v in row]
-    start = buckets + 1 + batch
-    return RoundStats(expected=flat[:buckets], live=round(flat[buckets]),
-                      predicted=flat[buckets + 1: start],
-                      per_row=[flat[start + i * buckets: start + (i + 1) * buckets]
-                               for i in range(batch)])
+    live = flat[batch * buckets: batch * (buckets + 1)]
+    cells = flat[batch * (buckets + 1): batch * (buckets + 1) + 2 * Calibration.POSITIONS]
+    sums = [cells[2 * p: 2 * p + 2] for p in range(Calibration.POSITIONS)]
+    steady, own = Calibration.ratio_of(sums), Calibration.ratio_of(sums, position)
+    nodes = [flat[i * buckets: (i + 1) * buckets] for i in range(batch)]
+    per_row = [[1.0 + n * steady for n in row] if alive > 0.5 else [0.0] * buckets
+               for row, alive in zip(nodes, live)]
+    return RoundStats(expected=[sum(col) for col in zip(*per_row)],
+                      live=sum(alive > 0.5 for alive in live),
+                      predicted=[1.0 + row[column] * own for row in nodes], per_row=per_row)

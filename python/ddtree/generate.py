@@ -555,7 +555,7 @@ class _AutoRounds:
     def round(self, clock, draft, verifier, sampler, requests, committed_len, bonus):
         bucket = self.policy.choose()
         clock.mark(new_round=True)
-        expected = predicted = None
+        nodes = None
         if bucket == 0:
             clock.mark()
             tree, vis = root_tree(bonus, committed_len)
@@ -566,17 +566,14 @@ class _AutoRounds:
             full = ops.draft_tree(draft_logits, bonus, built,
                                   vocab_shard=_head_shard(self.shard, draft_logits))
             nodes = ops.expected_accepts(full).index_select(1, self.index[built])  # [B, buckets]
-            # The policy's statistics look ahead (the steady calibration); the round's own
-            # prediction is its position's.
-            expected = self.calibration.expected_tokens(nodes)
-            predicted = nodes[:, self.buckets.index(bucket)]
+            column = self.buckets.index(bucket)
             position = cost_aware.Calibration.position(self.rounds)
             tree = ops.first_nodes(full, bucket)
             vis = ops.tree_visibility(tree.parents, tree.num_nodes, committed_len)
         clock.mark()
         # The requests taking part in this round (emitted() drops those it finishes): the
         # round's statistics cover them, its last round included.
-        took_part = None if bucket == 0 else requests.alive.clone()
+        took_part = None if bucket == 0 else requests.alive.to(nodes.dtype)  # 1 / 0, a copy
         verdict, hidden_states, emitted = _verify(clock, verifier, sampler, requests, tree, vis,
                                                   committed_len)
         batch = emitted.shape[0]
@@ -584,14 +581,14 @@ class _AutoRounds:
             draft.defer(hidden_states)
         else:
             draft.commit(hidden_states, verdict)
-            own = self.calibration.expected_tokens(predicted, position)
-            self.calibration.update(predicted * (verdict.accept_len > 0), verdict.accept_len,
-                                    position)
-            emitted = torch.cat([emitted, cost_aware.pack_stats(expected, own, took_part,
-                                                                emitted.shape[1])])
+            # The policy's statistics look ahead (the steady calibration); the round's own
+            # prediction is its position's. The sums travel as they were before this round.
+            emitted = torch.cat([emitted, cost_aware.pack_stats(
+                nodes, took_part, self.calibration.sums, emitted.shape[1])])
+            self.calibration.update(nodes[:, column], verdict.accept_len, position, took_part)
         rows = emitted.tolist()  # the round's one host read
         stats = None if bucket == 0 else \
-            cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch)
+            cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch, column, position)
         if stats is not None:
             stats.requests = list(requests.rows)
         requests.take(rows[:batch], bucket, stats.predicted if stats else None)
