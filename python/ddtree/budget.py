@@ -32,6 +32,7 @@ import statistics
 import threading
 import time
 import weakref
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -41,7 +42,6 @@ import torch
 from .version import __version__
 
 BUCKETS = (0, 4, 8, 16, 32, 64)  # tree budgets (draft nodes below the root); 0: autoregressive
-FIXED_POINT = 1_000_000          # float statistics travel in the round's int64 host read
 
 
 # ---- expected gain and its calibration (device) ----
@@ -852,14 +852,14 @@ def remember(policy) -> None:
 
 def pack_stats(nodes: torch.Tensor, live: torch.Tensor, sums: torch.Tensor,
                width: int) -> torch.Tensor:
-    """The auto round's statistics as int64 rows of `width` to append to the round's host read
-    (fixed point): the drafter's expected accepted nodes of every request per bucket (`nodes`
-    [B, buckets], row-major), which requests took part (`live` [B], 1 / 0) and the calibration
-    sums (`sums` [POSITIONS, 2], before the round's update). unpack_stats calibrates on the
-    host: a few device ops a round instead of one per statistic."""
-    flat = torch.cat([nodes.flatten(), live.to(nodes.dtype), sums.flatten()])
-    flat = (flat * FIXED_POINT).round_().long()
-    return torch.nn.functional.pad(flat, (0, -flat.numel() % width)).view(-1, width)
+    """The auto round's statistics as int64 rows of `width` to append to the round's host read,
+    each cell a float32's bits (exact): the drafter's expected accepted nodes of every request
+    per bucket (`nodes` [B, buckets], row-major), which requests took part (`live` [B], 1 / 0)
+    and the calibration sums (`sums` [POSITIONS, 2], before the round's update). unpack_stats
+    calibrates on the host: a few device ops a round instead of one per statistic."""
+    flat = torch.cat([nodes.flatten(), live, sums.flatten()]).to(torch.float32)
+    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % width))
+    return flat.view(torch.int32).long().view(-1, width)
 
 
 def unpack_stats(rows: List[List[int]], buckets: int, batch: int, column: int,
@@ -868,7 +868,7 @@ def unpack_stats(rows: List[List[int]], buckets: int, batch: int, column: int,
     (1 + nodes x the steady ratio; zeros for rows that took no part), their sum over those that
     took part, and each request's expected tokens of the round (`column`: the verified bucket's,
     calibrated at the round's `position`)."""
-    flat = [v / FIXED_POINT for row in rows for v in row]
+    flat = array("f", array("i", [v for row in rows for v in row]).tobytes()).tolist()
     live = flat[batch * buckets: batch * (buckets + 1)]
     cells = flat[batch * (buckets + 1): batch * (buckets + 1) + 2 * Calibration.POSITIONS]
     sums = [cells[2 * p: 2 * p + 2] for p in range(Calibration.POSITIONS)]
