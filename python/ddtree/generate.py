@@ -395,6 +395,7 @@ class _Requests:
             self._check_done(b, toks)
         self.alive = torch.tensor([not d for d in self.done], device=device)
         self.count = torch.ones(len(first), dtype=torch.long, device=device)
+        self.columns: Optional[torch.Tensor] = None
 
     def _check_done(self, b: int, new: List[int]) -> None:
         """O(new tokens): max_new_tokens reached or a stop token among the new ones."""
@@ -432,16 +433,27 @@ class _Requests:
 
     def emitted(self, tree: ops.DraftTree, verdict: ops.Verdict) -> torch.Tensor:
         """[B, 1 + A]: accept_len, then the round's new tokens (accepted nodes after the root,
-        then the bonus) padded; updates alive / count on the device."""
+        then the bonus) padded; updates alive / count on the device. Every small op counts on
+        the CPU (10-30 us inside a round): the new tokens are one gather, and the stop check
+        runs only when there are stop tokens."""
         n_acc = verdict.accept_len
-        path = tree.node_tokens.gather(1, verdict.accepted.clamp(min=0))[:, 1:]
-        new = torch.cat([path, path.new_zeros(path.shape[0], 1)], 1)
-        new.scatter_(1, (n_acc - 1).clamp(min=0)[:, None], verdict.bonus[:, None])
-        real = torch.arange(new.shape[1], device=new.device)[None, :] < n_acc[:, None]
-        stopped = (torch.isin(new, self.stops_t) & real).any(1)
+        # accepted [B, A] after the root, -1 padded, then one more -1: request b's first -1 sits
+        # at n_acc[b] - 1, where the bonus goes — column N of [node_tokens | bonus].
+        index = torch.nn.functional.pad(verdict.accepted[:, 1:], (0, 1), value=-1)
+        tokens = torch.cat([tree.node_tokens, verdict.bonus[:, None]], 1)
+        new = tokens.gather(1, index.masked_fill_(index < 0, tokens.shape[1] - 1))
+        if self.stops_t.numel():
+            real = self._columns(new.shape[1], new.device) < n_acc[:, None]
+            self.alive &= ~(torch.isin(new, self.stops_t) & real).any(1)
         self.count += n_acc
-        self.alive &= (self.count < self.max_new) & ~stopped
+        self.alive &= self.count < self.max_new
         return torch.cat([n_acc[:, None], new], 1)
+
+    def _columns(self, width: int, device) -> torch.Tensor:
+        """[1, width]: 0 .. width - 1 (made once per width)."""
+        if self.columns is None or self.columns.shape[1] != width:
+            self.columns = torch.arange(width, device=device)[None]
+        return self.columns
 
     def take(self, host_rows: List[List[int]], bucket: Optional[int] = None,
              predicted: Optional[List[float]] = None) -> None:
