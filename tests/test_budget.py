@@ -430,7 +430,8 @@ def test_round_statistics_travel_raw_and_are_calibrated_on_the_host(position):
                                cal.expected_tokens(nodes[:, column], position), **close)
     before = cal.sums.clone()
     cal.update(nodes[:, column], torch.tensor([3, 0, 1]), position, took_part)
-    obs, pred = 2.0 + 0.0, float(nodes[0, column] + nodes[2, column])  # rows 0 and 2
+    obs = (3 - 1) + (1 - 1)  # accepted nodes of rows 0 and 2 (row 1 took no part)
+    pred = float(nodes[0, column] + nodes[2, column])
     assert cal.sums[position].tolist() == pytest.approx(
         (before[position] * cal.decay + torch.tensor([obs, pred])).tolist())
     others = [p for p in range(cal.POSITIONS) if p != position]
