@@ -748,3 +748,28 @@ def test_rows_to_keep_pads_live_rows_to_a_power_of_two():
     assert keep == [1, 3]
     requests.select(keep, torch.tensor(keep))
     assert requests.rows == [1, 3] and requests.alive.shape == (2,)
+
+
+@pytest.mark.parametrize("stops", [(), (9,)], ids=["no-stop-tokens", "stop-token"])
+def test_round_host_copy_is_accepted_tokens_then_bonus(stops):
+    """_Requests.emitted, per row: accept_len, then the accepted nodes' tokens after the root and
+    the bonus (spec §5's emitted tokens) — a fully accepted path (the bonus in the last column), a
+    partial one, a root-only one and a row that accepted nothing (finished); count / alive follow
+    (max_new_tokens, and a stop token among the emitted tokens, not among the padding)."""
+    from ddtree import ops
+    from ddtree.generate import _Requests
+
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    parents = torch.tensor([[-1, 0, 1, 2]] * 4)
+    tree = ops.DraftTree(tokens, parents, torch.arange(4).expand(4, 4), None, None,
+                         torch.full((4,), 4))
+    accepted = torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1], [0, -1, -1, -1], [0, -1, -1, -1]])
+    verdict = ops.Verdict(accepted, torch.tensor([4, 2, 1, 0]), torch.tensor([11, 12, 13, 9]))
+    requests = _Requests([1] * 4, 4, set(stops), None, "cpu")
+    rows = requests.emitted(tree, verdict).tolist()
+    want = [[4, 6, 7, 8, 11], [2, 9, 12], [1, 13], [0]]  # accept_len, new tokens
+    assert [row[: 1 + row[0]] for row in rows] == want
+    assert requests.count.tolist() == [5, 3, 2, 1]
+    # max_new_tokens 4 ends row 0; the stop token 9 ends row 1; row 3 emitted nothing (its
+    # padding holds 9: not a real token)
+    assert requests.alive.tolist() == [False, not stops, True, True]

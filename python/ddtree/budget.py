@@ -114,7 +114,8 @@ class Calibration:
         steady one (all 1 before any)."""
         if not sums:
             return [1.0] * cls.POSITIONS
-        ratios = [r.item() for r in map(cls("cpu", sums=sums).ratio, range(cls.POSITIONS))]
+        table = cls("cpu", sums=sums).sums.tolist()  # [POSITIONS, 2] (the steady pair alone too)
+        ratios = [cls.ratio_of(table, p) for p in range(cls.POSITIONS)]
         return [r / max(ratios[-1], 1e-6) for r in ratios[:-1]] + [1.0]
 
 
@@ -473,7 +474,6 @@ class AutoBudget:
         # drafts its first round; where that round does not pay, `plain_rest` is set and the
         # loop runs the rest of the generation as plain autoregressive rounds.
         self.rechecking = self.plain_rest = False
-        self._costs: Optional[Dict[int, float]] = None  # cost() of every bucket while choosing
 
     def start(self, batch: int, depth: int, device) -> None:
         for profile in [self.profile, *self.smaller.values()]:
@@ -614,8 +614,6 @@ class AutoBudget:
         """Milliseconds of a round of `bucket` at the current batch size (or `batch`, one with a
         profile): the profile's, times its kind's measured ratio at that size (or, before a
         round of that kind has run, the other kind's)."""
-        if batch is None and self._costs is not None:
-            return self._costs[bucket]
         profile = self.profile if batch is None else \
             {p.batch: p for p in [self.profile, *self.smaller.values()]}.get(batch, self.profile)
         ratios = self.cost_ratios.get(profile.batch, {}) if self.learn_costs else {}
@@ -703,15 +701,6 @@ class AutoBudget:
         return self.speedup(bucket, expected) >= (self.hurdle if factor is None else factor)
 
     def choose(self) -> int:
-        # The costs do not change while choosing: each bucket's is read once (choose compares
-        # every bucket several times; this runs once a round, on the host).
-        self._costs = {b: self.cost(b) for b in self.buckets}
-        try:
-            return self._choose()
-        finally:
-            self._costs = None
-
-    def _choose(self) -> int:
         if self.never_drafts(self.depth):  # both sides scale with the live requests
             choice, why = 0, "no tree could pay even if every node were accepted"
         else:
