@@ -617,29 +617,60 @@ def test_calibration_times_the_warm_rounds_of_the_whole_batch(monkeypatch, tmp_p
     """calibrate times rounds of the whole batch (its requests share one prompt, so none leaves
     early) after their warm-up (the rounds the loop reports to observe_cost), the tree buckets
     cycled round by round in one generation, and a bucket's cost is the median of its rounds
-    over every repeat."""
+    over every repeat; with three cycles or more in which every tree bucket was timed, the tree
+    buckets are priced within those cycles (each one's share of its cycle's mean, median over
+    the cycles, times the median cycle mean)."""
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
     import ddtree.generate as loop
 
-    sizes, timed, real = [], {}, loop.generate_batch
+    sizes, timed, cycles, real = [], {}, [], loop.generate_batch
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sizes.extend(s for r in out for s in r.round_batch_sizes)
-        for bucket, ms in kwargs["policy"].times.items():
+        policy = kwargs["policy"]
+        for bucket, ms in policy.times.items():
             timed.setdefault(bucket, []).extend(ms)
+        if 0 not in policy.cycle:
+            cycles.extend(c for c in policy.cycles.values() if len(c) == len(policy.cycle))
         return out
 
     monkeypatch.setattr(loop, "generate_batch", recording)
-    measured = cost_aware.calibrate(tiny_target(seed=3), tiny_drafter(), 3, rounds=2,
-                                    repeats=2, progress=False)
-    assert sizes and set(sizes) == {3}
-    assert set(timed) == set(cost_aware.BUCKETS) and all(timed.values())
-    assert measured.round_ms[0] == statistics.median(timed[0])
-    trees = sorted(b for b in timed if b)
-    fit = cost_aware.non_decreasing([statistics.median(timed[b]) for b in trees],
-                                    [len(timed[b]) for b in trees])
-    assert [measured.round_ms[b] for b in trees] == pytest.approx(fit)
+    # One tree bucket: no cycle to price it in; every bucket: the tiny pair's short drafts
+    # give many cycles.
+    for buckets in ((0, 16), cost_aware.BUCKETS):
+        sizes.clear(), timed.clear(), cycles.clear()
+        measured = cost_aware.calibrate(tiny_target(seed=3), tiny_drafter(), 3, buckets,
+                                        rounds=2, repeats=2, progress=False, use_cache=False)
+        trees = [b for b in buckets if b]
+        assert sizes and set(sizes) == {3}
+        assert set(timed) == set(buckets) and all(timed.values())
+        assert measured.round_ms[0] == statistics.median(timed[0])
+        if len(trees) > 1:
+            assert len(cycles) >= 3
+            means = [sum(c.values()) / len(c) for c in cycles]
+            level = statistics.median(means)
+            shares = [level * statistics.median(c[b] / m for c, m in zip(cycles, means))
+                      for b in trees]
+            fit = cost_aware.non_decreasing(shares, [len(cycles)] * len(trees))
+        else:
+            fit = cost_aware.non_decreasing([statistics.median(timed[b]) for b in trees],
+                                            [len(timed[b]) for b in trees])
+        assert [measured.round_ms[b] for b in trees] == pytest.approx(fit)
+
+
+def test_tree_buckets_are_priced_within_each_cycle():
+    """cycle_relative_costs: a machine whose speed changes between cycles (each cycle scaled as
+    a whole) leaves the buckets' relation exact, at the median cycle's level; one round three
+    times as slow moves it little."""
+    true = {4: 10.0, 16: 11.0, 64: 12.0}
+    speeds = [1.0, 1.5, 0.9, 2.0, 1.1]
+    cycles = [{b: ms * s for b, ms in true.items()} for s in speeds]
+    costs = cost_aware.cycle_relative_costs(cycles, [4, 16, 64])
+    assert costs == pytest.approx({4: 11.0, 16: 12.1, 64: 13.2})  # level: the cycle at 1.1x
+    cycles[2] = {**cycles[2], 64: 3 * cycles[2][64]}  # one round three times as slow
+    costs = cost_aware.cycle_relative_costs(cycles, [4, 16, 64])
+    assert costs[64] / costs[16] == pytest.approx(12 / 11, rel=0.02)
 
 
 def test_calibration_cycles_the_tree_buckets_round_by_round():
@@ -652,6 +683,11 @@ def test_calibration_cycles_the_tree_buckets_round_by_round():
     assert rounds == [[4, 16, 64][i % 3] for i in range(len(rounds))] and len(rounds) > 6
     assert sum(map(len, policy.times.values())) == len(policy.round_ms) > 0
     assert all(policy.times[b] for b in (4, 16, 64))
+    # Per cycle: round i is in cycle i // 3, each time under its cycle and bucket.
+    assert sorted(ms for c in policy.cycles.values() for ms in c.values()) == \
+        sorted(policy.round_ms)
+    assert all(set(c) <= {4, 16, 64} for c in policy.cycles.values())
+    assert sum(len(c) == 3 for c in policy.cycles.values()) >= 1
 
 
 def test_tree_costs_are_fitted_non_decreasing():

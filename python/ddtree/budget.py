@@ -172,7 +172,8 @@ class CostProfile:
 
 
 # How calibrate measures: part of the cache key, so profiles measured another way are not reused.
-CALIBRATION_METHOD = "median of warm rounds, tree buckets cycled per round, monotone"
+CALIBRATION_METHOD = "median of warm rounds, tree buckets cycled per round and priced within " \
+    "each cycle, monotone"
 
 
 def cache_key(target: str, drafter: str, device: str, dtype: str, version: str, batch: int) -> str:
@@ -237,9 +238,12 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     few per cent, and a slow spell of the machine then hits every tree bucket alike), their
     order alternating between repeats. A bucket's cost is the median wall time of its rounds
     after their warm-up (the rounds the loop reports to observe_cost), over every repeat: one
-    slow round or repeat moves it little. Tree buckets' costs are then made non-decreasing in
-    the bucket (`non_decreasing`): a round verifying more tree rows does the same work and more,
-    so an inversion is measurement noise — and would steer every choice to the larger tree.
+    slow round or repeat moves it little. Tree buckets are priced against each other within
+    each cycle (`cycle_relative_costs`: the machine's speed drifts between cycles, hardly within
+    one), given at least three cycles with every tree bucket timed. Tree buckets' costs are then
+    made non-decreasing in the bucket (`non_decreasing`): a round verifying more tree rows does
+    the same work and more, so an inversion is measurement noise — and would steer every choice
+    to the larger tree.
     Cached on disk per architecture and attention path (target and drafter) / device / dtype /
     library version / batch size / measuring rule (use_cache=False measures again)."""
     if use_cache:
@@ -265,6 +269,7 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     buckets = list(buckets)
     trees = sorted(b for b in buckets if b > 0)
     times: Dict[int, List[float]] = {bucket: [] for bucket in buckets}
+    cycles: List[Dict[int, float]] = []  # the tree cycles with every bucket timed
     for repeat in range(repeats):
         # An autoregressive generation, and one whose rounds cycle through the tree buckets
         # (round by round: a slow spell hits every tree bucket alike, and adjacent buckets'
@@ -279,6 +284,7 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
                            budget="auto", policy=policy)
             for bucket, measured in policy.times.items():
                 times[bucket] += measured
+            cycles += [c for c in policy.cycles.values() if len(part) > 1 and len(c) == len(part)]
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -287,8 +293,11 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
         if not measured:
             raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
     round_ms = {bucket: statistics.median(measured) for bucket, measured in times.items()}
-    round_ms.update(zip(trees, non_decreasing([round_ms[b] for b in trees],
-                                              [len(times[b]) for b in trees])))
+    weights = [len(times[b]) for b in trees]
+    if len(cycles) >= 3:
+        round_ms.update(cycle_relative_costs(cycles, trees))
+        weights = [len(cycles)] * len(trees)
+    round_ms.update(zip(trees, non_decreasing([round_ms[b] for b in trees], weights)))
     round_ms = _same_on_every_rank(round_ms)
     profile = CostProfile(batch=batch, round_ms=round_ms, measured_at=time.time(),
                           seconds=round(time.perf_counter() - started, 2),
@@ -296,6 +305,18 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     if use_cache:
         save_profile(profile)
     return profile
+
+
+def cycle_relative_costs(cycles: Sequence[Dict[int, float]],
+                         buckets: Sequence[int]) -> Dict[int, float]:
+    """Bucket costs from rounds that cycle through `buckets` (each cycle: bucket -> ms, every
+    bucket present): each bucket's share of its cycle's mean, median over the cycles, times the
+    median cycle mean. A slow spell scales a whole cycle and leaves the shares as they were, so
+    neighbouring buckets (a few per cent apart) are priced against each other with the drift
+    between cycles taken out; one slow round moves its cycle's shares, and the median little."""
+    means = [statistics.fmean(c[b] for b in buckets) for c in cycles]
+    level = statistics.median(means)
+    return {b: level * statistics.median(c[b] / m for c, m in zip(cycles, means)) for b in buckets}
 
 
 def non_decreasing(values: Sequence[float], weights: Sequence[float]) -> List[float]:
@@ -388,12 +409,14 @@ class FixedBucket:
 
 class CyclingBuckets(FixedBucket):
     """Calibration's policy: rounds cycle through `buckets` (round i verifies buckets[i mod
-    n]); the wall times of the rounds after their warm-up per bucket in `times`."""
+    n]); the wall times of the rounds after their warm-up per bucket in `times`, and per cycle
+    (rounds n·k .. n·k + n - 1) in `cycles` (k -> bucket -> ms)."""
 
     def __init__(self, buckets: Sequence[int]):
         super().__init__(buckets[0])
         self.cycle = list(buckets)
         self.times: Dict[int, List[float]] = {b: [] for b in self.cycle}
+        self.cycles: Dict[int, Dict[int, float]] = {}
 
     def choose(self) -> int:
         self.bucket = self.cycle[len(self.choices) % len(self.cycle)]
@@ -402,6 +425,8 @@ class CyclingBuckets(FixedBucket):
     def observe_cost(self, bucket: int, ms: float) -> None:
         super().observe_cost(bucket, ms)
         self.times[bucket].append(ms)
+        # The round just timed is the last one chosen.
+        self.cycles.setdefault((len(self.choices) - 1) // len(self.cycle), {})[bucket] = ms
 
 
 @dataclass
