@@ -90,7 +90,7 @@ class BatchOracle:
         self.at = [0] * len(self.truths)  # index in truth of each request's bonus token
         return self
 
-    def step(self, bonus):
+    def step(self, bonus, depth=None):
         rows = []
         for truth, start in zip(self.truths, self.at):
             logits = torch.randn(1, self.block_size - 1, VOCAB, generator=self.g)
@@ -142,14 +142,16 @@ def tiny_hybrid(seed=3, kind="qwen3_5"):
     return model
 
 
-def propose(drafter, target, bonus: torch.Tensor, features, cache) -> torch.Tensor:
+def propose(drafter, target, bonus: torch.Tensor, features, cache,
+            block_rows=None) -> torch.Tensor:
     """The drafter step driven from host lists (a test oracle for DFlashDraftState and the
     training forward): bonus [B] (each block's first token); features: [B, C, n*H], or a list of B tensors
     [1, C_b, n*H] / [C_b, n*H] when the requests bring different numbers of rows — the target
     features of tokens not yet in the drafter's context (request b's sit at positions
     cache.lengths[b] ..). Appends them to the context cache and returns draft logits
-    [B, block_size - 1, V]. One pass for the whole batch: new rows right-padded, padding
-    masked (draft_attention's context_len when fused)."""
+    [B, block_size - 1, V] (a block of block_rows rows: [B, block_rows - 1, V]). One pass for
+    the whole batch: new rows right-padded, padding masked (draft_attention's context_len when
+    fused)."""
     b = bonus.shape[0]
     device = bonus.device
     if isinstance(features, torch.Tensor):
@@ -166,7 +168,7 @@ def propose(drafter, target, bonus: torch.Tensor, features, cache) -> torch.Tens
     rows = ContextRows(as_t(cache.lengths), as_t(new), key_rows)
     # padding rows of the unfused step land past the block (ContextRows.step)
     drafter.reserve(cache, b, max(cache.lengths) + ctx_in.shape[1] + drafter.block_size)
-    logits = drafter.draft_block(target, bonus, ctx_in, rows, cache)
+    logits = drafter.draft_block(target, bonus, ctx_in, rows, cache, block_rows=block_rows)
     cache.lengths = [l + n for l, n in zip(cache.lengths, new)]
     return logits
 

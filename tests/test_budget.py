@@ -107,6 +107,34 @@ def test_deferred_context_equals_drafted_context():
     assert torch.equal(deferred.rows.committed_len, drafted.rows.committed_len)
 
 
+def test_a_shallow_round_extends_its_buckets_by_earlier_ratios():
+    """A round that measured only its first buckets (observed=2: a tree of 4 drafted 4 deep)
+    extends each larger bucket from the largest measured one by the running averages' ratios,
+    per request and over the batch; the depth-limited values it carried are not used."""
+    costs = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0})
+    policy = cost_aware.AutoBudget(costs, smoothing=0.5)
+    policy.start(1, 15, "cpu")
+    assert policy.per_request == [1.0, 3.0, 3.0, 3.0, 3.0, 3.0]  # the prior
+    full = [1.0, 2.0, 2.6, 3.2, 3.6, 4.0]
+    policy.choose()
+    policy.observe(cost_aware.RoundStats(expected=full, predicted=[2.0], live=1,
+                                         per_row=[full], requests=[7]))
+    after_full = [1.0, 2.5, 2.8, 3.1, 3.3, 3.5]
+    assert policy.per_request == pytest.approx(after_full)
+    shallow = [1.0, 3.0, 3.0, 3.0, 3.0, 3.0]  # bucket 4 measured; 8.. built 4 deep
+    policy.choose()
+    policy.observe(cost_aware.RoundStats(expected=shallow, predicted=[3.0], live=1,
+                                         per_row=[shallow], requests=[7], observed=2))
+    # 3.0 / 2.5 = 1.2 times the earlier averages for 8 .. 64, then averaged in.
+    extended = [1.0, 3.0, 2.8 * 1.2, 3.1 * 1.2, 3.3 * 1.2, 3.5 * 1.2]
+    want = [(a + b) / 2 for a, b in zip(extended, after_full)]
+    assert policy.per_request == pytest.approx(want)
+    assert policy.by_request[7] == pytest.approx(want)
+    assert cost_aware.observed_buckets((0, 4, 8, 16, 32, 64), 4, 15) == 2
+    assert cost_aware.observed_buckets((0, 4, 8, 16, 32, 64), 8, 15) == 3
+    assert cost_aware.observed_buckets((0, 4, 8, 16, 32, 64), 15, 15) is None
+
+
 def test_policy_choices_and_probes():
     """argmax of expected tokens per ms; while autoregressive rounds win, a probe after
     `probe_after` of them, the wait doubling after each probe that does not pay, up to

@@ -47,6 +47,44 @@ def test_lossless_with_long_acceptances(kind, budget):
         assert chain.tokens == truth
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_lossless_when_the_drafter_drafts_only_as_deep_as_the_tree(hybrid):
+    """A tree of n nodes is at most n deep: with a budget below the drafter's depth the DFlash
+    state drafts a block of budget + 1 rows (fewer logits rows), in fixed modes and in auto
+    rounds of small buckets; the output is the target's greedy decoding either way (batch of
+    prompts of different lengths, dense and hybrid targets)."""
+    from ddtree.generate import generate_batch
+    from ddtree.models import dflash
+
+    target = tiny_hybrid() if hybrid else tiny_target(seed=3)
+    truths = [greedy_reference(target, torch.tensor([p]), 20) for p in PROMPTS]
+    depths = []
+    real = dflash.DFlashDrafter.draft_block
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        depths.append(out.shape[1])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dflash.DFlashDrafter, "draft_block", spy)
+        for budget in (2, 4):
+            depths.clear()
+            results = generate_batch(target, tiny_drafter(), PROMPTS, 20, budget=budget)
+            assert [r.tokens for r in results] == truths
+            assert set(depths) == {budget}
+        depths.clear()
+        policy = ScriptedBudgets([4, 16, 0, 4, 32])
+        results = generate_batch(target, tiny_drafter(), PROMPTS, 20, budget="auto",
+                                 policy=policy)
+    assert [r.tokens for r in results] == truths
+    drafted = [b for b in policy.choices if b]
+    assert depths == [min(b, 7) for b in drafted]  # tiny drafter: block 8, depth 7
+    # Rounds of 4 measured buckets 0 and 4 of (0, 4, 8, 16, 32, 64); full drafts every bucket.
+    assert [s.observed for s in policy.stats if s is not None] == \
+        [2 if b == 4 else None for b in drafted]
+
+
 @pytest.mark.parametrize("at,max_new", [(12, 40), (19, 20)], ids=["inside-a-path", "last-position"])
 def test_stop_token(at, max_new):
     """A stop token inside an accepted path, and as the very last allowed token."""
@@ -492,6 +530,44 @@ def test_drafter_norm_and_rope_table_are_qwen3s():
     positions = torch.tensor([[0, 7, 39], [3, 3, 20]])
     want = drafter.rotary_emb(cos.new_empty(0), positions)
     assert torch.equal(cos[positions], want[0]) and torch.equal(sin[positions], want[1])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_draft_state_drafts_a_shorter_block_for_a_shallow_tree(fused):
+    """step(bonus, depth): an eager step drafts a block of depth + 1 rows — the logits the
+    host-list step gives for that block (its rows attend to each other, so they differ from the
+    full block's) — round after round with the depth changing; depth >= the drafter's depth
+    drafts the full block; draft_block refuses a block outside 2..block_size by name."""
+    target = tiny_target()
+    drafter = tiny_drafter()
+    drafter.fused_attention = fused
+    g = torch.Generator().manual_seed(4)
+
+    def hidden(batch, rows):
+        return tuple(torch.randn(batch, rows, HIDDEN, generator=g) for _ in range(LAYERS + 1))
+
+    prompts = [hidden(1, c) for c in (5, 9)]
+    state = drafter.begin(target, prompts, 120)
+    plain = drafter.new_cache(2)
+    feats = [drafter.target_features(h)[0] for h in prompts]
+    for depth in (3, 1, 7, 12, None, 5):
+        bonus = torch.randint(0, VOCAB, (2,), generator=g)
+        rows = None if depth is None or depth >= 7 else depth + 1
+        want = propose(drafter, target, bonus, feats, plain, block_rows=rows)
+        got = state.step(bonus, depth)
+        assert got.shape[1] == (7 if rows is None else depth)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        new = hidden(2, 8)
+        accept_len = torch.tensor([2, 3])
+        accepted = torch.tensor([[0, 1] + [-1] * 6, [0, 2, 3] + [-1] * 5])
+        state.commit(new, ddtree.Verdict(accepted, accept_len, bonus))
+        f = drafter.target_features(new)
+        feats = [f[b, accepted[b, : accept_len[b]]] for b in range(2)]
+    assert state.rows.committed_len.tolist() == plain.lengths
+    for bad in (1, 9):
+        with pytest.raises(ValueError, match="block_rows must be in 2..8"):
+            drafter.draft_block(target, bonus, feats[0][None], state.rows, state.cache,
+                                block_rows=bad)
 
 
 @pytest.mark.parametrize("told", [False, True], ids=["all-rows", "known-new-rows"])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddtree
 from ddtree import budget as cost_aware
 from ddtree import embedded, policy_replay
 from ddtree.generate import generate_batch
@@ -52,14 +53,27 @@ def test_recorded_drafts_match_the_drafter_and_the_loop():
 
 def test_replay_records_a_tiny_pair():
     """record_drafts on a tiny random pair: one row per position, 1 token for bucket 0, at most
-    1 + min(bucket, depth) for the others, expected nodes non-decreasing in the bucket."""
+    1 + min(bucket, depth) for the others, expected nodes non-decreasing in the bucket among
+    the buckets read from the full draft (a bucket shallower than the drafter has its own);
+    bucket 4's row is the tree of a fresh draft of 4 depths."""
     target, drafter = tiny_target(seed=3), tiny_drafter()
     record = policy_replay.record_drafts(target, drafter, torch.tensor([3, 9, 4, 7]), 12)
     assert len(record.expected) == len(record.emitted) == 11
     for expected, emitted in zip(record.expected, record.emitted):
         assert emitted[0] == 1 and expected[0] == 0.0
         assert all(1 <= e <= 1 + min(b, record.depth) for b, e in zip(record.buckets, emitted))
-        assert expected == sorted(expected)
+        full = [e for b, e in zip(record.buckets, expected) if b == 0 or b >= record.depth]
+        assert full == sorted(full)
+    prompt = torch.tensor([3, 9, 4, 7])
+    tokens = generate_batch(target, None, [prompt], 1, mode="autoregressive")[0].tokens
+    hidden = target(input_ids=prompt[None], output_hidden_states=True).hidden_states
+    state = drafter.begin(target, [hidden], 4 + 2 * record.depth + 2)
+    root = torch.tensor(tokens[:1])
+    logits = state.step(root, 4)
+    assert logits.shape[1] == 4
+    tree = ddtree.ops.draft_tree(logits, root, max(record.buckets))
+    nodes = ddtree.ops.expected_accepts(tree)[0, 4].item()
+    assert record.expected[0][record.buckets.index(4)] == pytest.approx(nodes)
 
 
 @pytest.mark.parametrize("regime", sorted(REGIMES))

@@ -31,8 +31,8 @@ class ShardedOracle(BatchOracle):
         self.shard = distributed.vocab_shard(target)
         return super().begin(target, prompt_hidden_states, capacity, cuda_graph)
 
-    def step(self, bonus):
-        full = super().step(bonus)
+    def step(self, bonus, depth=None):
+        full = super().step(bonus, depth)
         return full[..., self.shard.offset: self.shard.offset + self.shard.local_size].contiguous()
 
 

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -374,6 +374,19 @@ class RoundStats:
     # part: zeros), and the request in each row (filled in by the loop)
     per_row: List[List[float]] = field(default_factory=list)
     requests: List[int] = field(default_factory=list)
+    # The round measured the first `observed` buckets (None: all). A round that drafted only as
+    # deep as its tree can go (a small bucket) built every larger bucket's tree from those
+    # depths alone: AutoBudget.observe extends the measured ones by earlier rounds' ratios.
+    observed: Optional[int] = None
+
+
+def observed_buckets(buckets: Sequence[int], draft_depth: int, full_depth: int) -> Optional[int]:
+    """How many of `buckets` (ascending) a round whose draft reached `draft_depth` of the
+    drafter's `full_depth` measured: all (None) with the full draft, else those whose trees go
+    no deeper than the draft (a tree of b nodes is at most b deep)."""
+    if draft_depth >= full_depth:
+        return None
+    return sum(b <= draft_depth for b in buckets)
 
 
 class FixedBucket:
@@ -758,11 +771,32 @@ class AutoBudget:
         4 * probe_overhead of them (probes are dear next to a decoding step at large batches)."""
         return max(self.probe_after, math.ceil(self._probe_extra(probe) / (4 * self.probe_overhead)))
 
+    def _extended(self, stats: RoundStats) -> RoundStats:
+        """A round that measured only its first `observed` buckets: each larger bucket's
+        expected tokens are the largest measured one's times their ratio in the running
+        averages (per request, and over the batch) — the drafter's confidence moves the level,
+        the share of a large tree's gain its first nodes hold changes little — or, where more,
+        what the round's own shallow tree of that size expects (a lower bound: a deeper draft
+        could only add paths; it lifts estimates still at the flat prior, so larger trees get
+        tried)."""
+        k = stats.observed
+
+        def extend(row: List[float], old: List[float]) -> List[float]:
+            scale = row[k - 1] / max(1e-9, old[k - 1])
+            return row[:k] + [max(own, o * scale) for own, o in zip(row[k:], old[k:])]
+
+        per_row = [extend(row, self.by_request.get(r, self.per_request)) if row and row[0] > 0.5
+                   else row for r, row in zip(stats.requests, stats.per_row)]
+        return replace(stats, expected=extend(stats.expected, self.per_request), per_row=per_row,
+                       observed=None)
+
     def observe(self, stats: Optional[RoundStats]) -> None:
         """After each round: the round's statistics (None for an autoregressive round)."""
         if stats is None:
             self.since_draft += 1
             return
+        if stats.observed is not None:
+            stats = self._extended(stats)
         a = self.smoothing
         fresh = {r: row for r, row in zip(stats.requests, stats.per_row) if row and row[0] > 0.5}
         for r, row in fresh.items():  # rows that took part (an expected 1 token at bucket 0)

@@ -38,10 +38,11 @@ STAGES = ("draft", "tree", "verify", "commit")
 class DraftState(Protocol):
     """A drafter's state across the rounds of one generation."""
 
-    def step(self, bonus: torch.Tensor) -> torch.Tensor:
+    def step(self, bonus: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
         """Draft logits [B, L, V] of the blocks starting with bonus [B] (device, no host reads);
         with a tensor-parallel target whose LM head is vocabulary-sharded, either those or this
-        rank's columns [B, L, V_local] (ddtree.distributed.vocab_shard)."""
+        rank's columns [B, L, V_local] (ddtree.distributed.vocab_shard). `depth`: the round's
+        tree goes no deeper (a state may then draft only that many depths, L >= depth)."""
 
     def commit(self, hidden_states, verdict: ops.Verdict) -> None:
         """Takes the round's verdict (accepted rows of the target's hidden states) into account."""
@@ -215,7 +216,7 @@ def root_tree(tokens: torch.Tensor, start: torch.Tensor):
 class _NoDrafter:
     """The autoregressive mode's drafter: no draft, the tree is the root alone."""
 
-    def step(self, bonus):
+    def step(self, bonus, depth=None):
         return None
 
     def commit(self, hidden_states, verdict):
@@ -543,8 +544,8 @@ class _AutoRounds:
     verifying the best bucket-sized prefix of a tree built at the largest bucket; the
     calibration and the policy's statistics ride on the round's one host read."""
 
-    def __init__(self, policy, device, shard):
-        self.policy, self.shard = policy, shard
+    def __init__(self, policy, device, shard, full_depth: int):
+        self.policy, self.shard, self.full_depth = policy, shard, full_depth
         self.buckets = tuple(AUTO_BUCKETS)
         prior = policy.calibration_prior() if hasattr(policy, "calibration_prior") else None
         self.calibration = cost_aware.Calibration(device, sums=prior)
@@ -572,7 +573,8 @@ class _AutoRounds:
             clock.mark()
             tree, vis = root_tree(bonus, committed_len)
         else:
-            draft_logits = draft.step(bonus)
+            # A tree of `bucket` nodes is at most `bucket` deep: the drafter may draft only that.
+            draft_logits = draft.step(bonus, bucket)
             clock.mark()
             built = self.buckets[-1]  # the expected gain of every bucket, for the next choice
             full = ops.draft_tree(draft_logits, bonus, built,
@@ -603,6 +605,8 @@ class _AutoRounds:
             cost_aware.unpack_stats(rows[batch:], len(self.buckets), batch, column, position)
         if stats is not None:
             stats.requests = list(requests.rows)
+            stats.observed = cost_aware.observed_buckets(self.buckets, draft_logits.shape[1],
+                                                         self.full_depth)
         requests.take(rows[:batch], bucket, stats.predicted if stats else None)
         if bucket:
             _known_new_rows(draft, rows[:batch])
@@ -618,14 +622,15 @@ class _AutoRounds:
 
 
 def _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonus, budgets,
-                  tree_builder, bucket: Optional[int]) -> None:
+                  tree_builder, bucket: Optional[int], depth: Optional[int] = None) -> None:
     """Rounds of one fixed mode until every request is done: tree_builder(budgets [B]) is the
     round's tree step (_tree_builder), made anew when finished requests leave the batch;
-    `bucket`: the budget each round records (budget="auto" run autoregressive), or None."""
+    `bucket`: the budget each round records (budget="auto" run autoregressive), or None;
+    `depth`: the deepest draft depth a tree can use (a tree of n nodes: n), or None (all)."""
     build_tree = tree_builder(budgets)
     while not requests.all_finished():
         clock.mark(new_round=True)
-        draft_logits = draft.step(bonus)
+        draft_logits = draft.step(bonus, depth)
         clock.mark()
         tree, vis = build_tree(draft_logits, bonus, committed_len)
         clock.mark()
@@ -705,7 +710,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
             raise TypeError(f"generate: budget='auto' needs a draft state with defer() (the "
                             f"context of autoregressive rounds); {type(draft).__name__} has none")
         policy.start(batch, depth, device)
-        auto = _AutoRounds(policy, device, shard)
+        auto = _AutoRounds(policy, device, shard, depth)
         loop_started = time.perf_counter()
         with validation(False):
             while not requests.all_finished() and not getattr(policy, "plain_rest", False):
@@ -738,7 +743,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     with validation(False):
         _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonus, budget_t,
                       lambda budgets: _tree_builder(mode, n - 1, budgets, shard),
-                      0 if auto_plain else None)
+                      0 if auto_plain else None, n - 1 if mode == "tree" else None)
     if auto_plain:
         policy.record_autoregressive(len(clock.round_starts))
         cost_aware.remember(policy)

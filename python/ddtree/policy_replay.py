@@ -12,7 +12,7 @@ rounds (the drafter's deferred context) is not priced.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -26,20 +26,30 @@ class DraftRecord:
     """One prompt's drafts. Row k - 1 is the position where k tokens have been emitted (token
     k - 1, the bonus, is the tree's root): expected[k - 1][i] = the drafter's expected accepted
     nodes of the best buckets[i]-node tree, emitted[k - 1][i] = tokens a round of buckets[i]
-    emits there (accepted nodes + the bonus; 1 for bucket 0)."""
+    emits there (accepted nodes + the bonus; 1 for bucket 0) — a bucket shallower than the
+    drafter's depth from its own shorter draft, as the loop drafts it. shallow[d][k - 1]: every
+    bucket's expected nodes from the draft of d depths (d < depth; trees no deeper than d), the
+    statistics a round of bucket d reports."""
     buckets: List[int]
     depth: int
     expected: List[List[float]]
     emitted: List[List[int]]
+    shallow: Dict[int, List[List[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return dict(buckets=self.buckets, depth=self.depth,
-                    expected=[[round(x, 4) for x in row] for row in self.expected],
-                    emitted=self.emitted)
+        rows = lambda table: [[round(x, 4) for x in row] for row in table]  # noqa: E731
+        return dict(buckets=self.buckets, depth=self.depth, expected=rows(self.expected),
+                    emitted=self.emitted,
+                    shallow={str(d): rows(table) for d, table in self.shallow.items()})
 
     @classmethod
     def from_json(cls, d: dict) -> "DraftRecord":
-        return cls(**d)
+        shallow = {int(k): v for k, v in (d.get("shallow") or {}).items()}
+        return cls(**{**d, "shallow": shallow})
+
+    def round_row(self, k: int, bucket: int) -> List[float]:
+        """Every bucket's expected nodes as a round of `bucket` at row k - 1 reports them."""
+        return self.shallow[bucket][k - 1] if bucket in self.shallow else self.expected[k - 1]
 
 
 def _emitted(tree: ops.DraftTree, continuation: torch.Tensor, buckets: Sequence[int],
@@ -59,7 +69,9 @@ def record_drafts(target, drafter, prompt: torch.Tensor, new_tokens: int,
     """The drafts of one prompt (1-D token ids) at every position of its greedy continuation of
     `new_tokens` tokens: the target's hidden states of prompt + continuation come from one
     forward; at each position a fresh draft state over the rows before it drafts a block, and
-    build_tree makes the tree of the largest bucket (what an auto round builds)."""
+    build_tree makes the tree of the largest bucket (what an auto round builds) — a bucket
+    shallower than the drafter's depth from its own block of bucket + 1 rows (what a round of
+    that bucket drafts), every other bucket from the full block."""
     from .generate import generate_batch
 
     depth = drafter.block_size - 1
@@ -71,16 +83,27 @@ def record_drafts(target, drafter, prompt: torch.Tensor, new_tokens: int,
     hidden = target(input_ids=seq[None], output_hidden_states=True).hidden_states
     largest, p = max(buckets), prompt.numel()
     continuation = torch.tensor(tokens, dtype=torch.long, device=device)
-    expected, emitted = [], []
+    expected, emitted, shallow = [], [], {}
+    # The draft depths the loop asks for: a bucket shallower than the drafter drafts only as
+    # deep as its tree can go (its own, slightly different, block), the others the full block.
+    drafts = sorted({min(b, depth) for b in buckets if b > 0} | {depth})
     for k in range(1, new_tokens):
         rows = tuple(h[:, : p + k - 1] for h in hidden)
-        state = drafter.begin(target, [rows], p + k + 2 * depth + 1)
         root = torch.tensor([tokens[k - 1]], device=device)
-        tree = ops.draft_tree(state.step(root), root, largest)
-        nodes = ops.expected_accepts(tree)[0].tolist()
-        expected.append([nodes[min(b, len(nodes) - 1)] for b in buckets])
-        emitted.append(_emitted(tree, continuation[k:], buckets, depth))
-    return DraftRecord(list(buckets), depth, expected, emitted)
+        per_draft = {}
+        for d in drafts:
+            state = drafter.begin(target, [rows], p + k + 2 * depth + 1)
+            tree = ops.draft_tree(state.step(root, d), root, largest)
+            nodes = ops.expected_accepts(tree)[0].tolist()
+            per_draft[d] = ([nodes[min(b, len(nodes) - 1)] for b in buckets],
+                            _emitted(tree, continuation[k:], buckets, depth))
+        # bucket 0 (no draft) reads the full draft's row: 0 nodes, 1 token either way
+        pick = [per_draft[min(b, depth) if b > 0 else depth] for b in buckets]
+        expected.append([row[0][i] for i, row in enumerate(pick)])
+        emitted.append([row[1][i] for i, row in enumerate(pick)])
+        for d in drafts[:-1]:
+            shallow.setdefault(d, []).append(per_draft[d][0])
+    return DraftRecord(list(buckets), depth, expected, emitted, shallow)
 
 
 @dataclass
@@ -99,10 +122,11 @@ def replay(record: DraftRecord, costs: Dict[int, float], policy,
     drafted round's calibrated expected tokens (1 + nodes x calibration ratio; the steady ratio,
     and the round position's for its own prediction) for every bucket as its statistics, the
     round position's calibration updated with the verified bucket's prediction and what it
-    emitted; remaining tokens before each choice. Rounds are priced at `costs`; the policy is
-    told clock(bucket) as each round's wall time (default: its cost; JitteredClock: a machine
-    whose speed drifts). The record's positions bound the generation (new_tokens of
-    record_drafts)."""
+    emitted (as live, a round of a bucket shallower than the drafter's depth measures only the
+    buckets no deeper than it); remaining tokens before each choice. Rounds are priced at
+    `costs`; the policy is told clock(bucket) as each round's wall time (default: its cost;
+    JitteredClock: a machine whose speed drifts). The record's positions bound the generation
+    (new_tokens of record_drafts)."""
     buckets = record.buckets
     calibration = calibration or cost_aware.Calibration("cpu")
     policy.start(1, record.depth, "cpu")
@@ -116,13 +140,15 @@ def replay(record: DraftRecord, costs: Dict[int, float], policy,
         stats = None
         n = record.emitted[k - 1][column]
         if bucket > 0:
-            nodes = torch.tensor([record.expected[k - 1]])
+            nodes = torch.tensor([record.round_row(k, bucket)])
             position = cost_aware.Calibration.position(len(out.choices))
             expected = calibration.expected_tokens(nodes)[0].tolist()
             predicted = calibration.expected_tokens(nodes[0, column], position).item()
             calibration.update(nodes[:, column], torch.tensor([n]), position)
-            stats = cost_aware.RoundStats(expected=expected, live=1, predicted=[predicted],
-                                          per_row=[expected], requests=[0])
+            stats = cost_aware.RoundStats(
+                expected=expected, live=1, predicted=[predicted], per_row=[expected],
+                requests=[0], observed=cost_aware.observed_buckets(
+                    buckets, min(bucket, record.depth), record.depth))
         k += n
         out.choices.append(bucket)
         out.emitted.append(n)

@@ -479,10 +479,12 @@ class DFlashDrafter(nn.Module):
         """Context rows [..., H] of target features [..., n*H] (fc + hidden norm)."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def block_embeddings(self, target, first: torch.Tensor) -> torch.Tensor:
-        """Embeddings [..., block_size, H] of blocks starting with `first` [...] (the bonus
-        token) followed by mask tokens, in the target's embedding."""
-        block = first.new_full((*first.shape, self.block_size), self.mask_token_id)
+    def block_embeddings(self, target, first: torch.Tensor,
+                         block_rows: Optional[int] = None) -> torch.Tensor:
+        """Embeddings [..., R, H] of blocks of R rows (block_rows, default block_size) starting
+        with `first` [...] (the bonus token) followed by mask tokens, in the target's
+        embedding."""
+        block = first.new_full((*first.shape, block_rows or self.block_size), self.mask_token_id)
         block[..., 0] = first
         return target.get_input_embeddings()(block)
 
@@ -509,20 +511,27 @@ class DFlashDrafter(nn.Module):
         return table[0][positions], table[1][positions]
 
     def draft_block(self, target, bonus: torch.Tensor, ctx_in: torch.Tensor, rows: ContextRows,
-                    cache: DraftCache, vocab_shard=None, rope_table=None) -> torch.Tensor:
+                    cache: DraftCache, vocab_shard=None, rope_table=None,
+                    block_rows: Optional[int] = None) -> torch.Tensor:
         """The device part of a drafter step (no host reads, fixed shapes): ctx_in [B, C, n*H]
         padded new feature rows, rows.committed_len / rows.new_t [B] context lengths and valid new
         rows, the cache at least max(committed_len) + C + block_size rows long and key_rows
         covering every request's context and block (unfused; padding rows land past the
         block). Writes the new rows into the cache;
-        returns the logits [B, block_size - 1, V] — with vocab_shard (a tensor-parallel target,
-        ddtree.distributed) only this rank's columns [B, block_size - 1, V_local]; RoPE from
-        rope_table's rows when given (every position < its length).
-        Graph-capturable on static buffers."""
+        returns the logits [B, R - 1, V] of a block of R = block_rows rows (2 .. block_size,
+        default block_size: a tree that goes no deeper than R - 1 needs no more; the block's
+        rows attend to each other, so a shorter block drafts slightly different logits) — with
+        vocab_shard (a tensor-parallel target, ddtree.distributed) only this rank's columns
+        [B, R - 1, V_local]; RoPE from rope_table's rows when given (every position < its
+        length). Graph-capturable on static buffers."""
+        block_rows = block_rows or self.block_size
+        if not 2 <= block_rows <= self.block_size:
+            raise ValueError(f"draft_block: block_rows must be in 2..{self.block_size} (the "
+                             f"drafter's block_size), got {block_rows}")
         ctx = self.context(ctx_in)
         c = ctx.shape[1]
-        x = self.block_embeddings(target, bonus).to(ctx.dtype)
-        step = rows.step(c, self.block_size, cache.fused)
+        x = self.block_embeddings(target, bonus, block_rows).to(ctx.dtype)
+        step = rows.step(c, block_rows, cache.fused)
         rope_kv = self.rope_at(step.positions, x, rope_table)
         rope_q = tuple(r[:, c:] for r in rope_kv)  # the block rows' positions are its tail
         for i, layer in enumerate(self.layers):
@@ -580,29 +589,34 @@ class DFlashDraftState:
             self.deferred_feats = self.deferred_feats[index]
         self.graph = self.logits = None
 
-    def _step(self):
+    def _step(self, block_rows: Optional[int] = None):
         feats = self.feats if self.use_graph or self.new_rows is None else \
             self.feats[:, : max(1, self.new_rows)]
         return self.drafter.draft_block(self.target, self.bonus, feats, self.rows, self.cache,
-                                        self.vocab_shard, self.rope_table)
+                                        self.vocab_shard, self.rope_table, block_rows)
 
     def known_new_rows(self, rows: int) -> None:
         """The loop's host read of the verdict just committed: no request accepted more than
         `rows` rows (its accept_len), so an eager step reads only that many feature rows."""
         self.new_rows = rows
 
-    def step(self, bonus: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B, block_size - 1, V] of the blocks starting with `bonus` [B] (this
-        rank's vocabulary columns when the target's LM head is sharded)."""
+    def step(self, bonus: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
+        """Draft logits [B, L, V] of the blocks starting with `bonus` [B] (this rank's vocabulary
+        columns when the target's LM head is sharded): L = block_size - 1, or `depth` when the
+        round's tree goes no deeper (eager steps draft a block of depth + 1 rows, cheaper; a
+        captured graph keeps its full block)."""
         self.bonus.copy_(bonus)
         self._flush_deferred()
         self.block_pending = False
+        block_rows = None if depth is None or depth + 1 >= self.drafter.block_size else \
+            max(2, depth + 1)
         if self.prompt is not None:
             logits = self.drafter.draft_block(self.target, self.bonus, self.prompt, self.rows,
-                                              self.cache, self.vocab_shard, self.rope_table)
+                                              self.cache, self.vocab_shard, self.rope_table,
+                                              block_rows)
             self.prompt = None
         elif not self.use_graph:
-            logits = self._step()
+            logits = self._step(block_rows)
         else:
             if self.graph is None:  # warm-up and capture write the rows the replay writes
                 from ..verify import capture_graph
