@@ -35,16 +35,17 @@ from ddtree.generate import generate_batch
 
 # Auto next to autoregressive: with the order alternating between groups, the two always run
 # back to back on the same requests (their ratio is the headline one).
-MODES = [("autoregressive", None), ("tree", "auto"), ("chain", None), ("tree", 16), ("tree", 64),
-         ("tree", 256)]
-FAST = 4  # MODES[:FAST] run twice per group, in a palindrome (schedule)
+MODES = [("autoregressive", None), ("tree", "auto"), ("chain", None), ("tree", 8), ("tree", 16),
+         ("tree", 64), ("tree", 256)]
+FAST = 5  # MODES[:FAST] run twice per group, in a palindrome (schedule)
 PAIRS_PER_BATCH = 4  # autoregressive / auto runs of each at least, per batch size and repeat
 
 
 def schedule(flip: bool, groups: int):
-    """One group's runs: the fast modes forth and back (autoregressive, auto, chain, tree 16,
-    tree 16, chain, auto, autoregressive — each mode's mean position the same, so a drift of the
-    machine's speed that is linear over the group hits them alike); where a batch size has fewer
+    """One group's runs: the fast modes forth and back (autoregressive, auto, chain, tree 8,
+    tree 16, tree 16, tree 8, chain, auto, autoregressive — each mode's mean position the same,
+    so a drift of the machine's speed that is linear over the group hits them alike); where a
+    batch size has fewer
     than PAIRS_PER_BATCH groups (one at batch 16 and 32), more (autoregressive, auto, auto,
     autoregressive) blocks, so that its headline ratio rests on as many runs; then the slow trees
     once. The whole order reversed when `flip`."""
