@@ -45,10 +45,9 @@ def schedule(flip: bool, groups: int):
     """One group's runs: the fast modes forth and back (autoregressive, auto, chain, tree 8,
     tree 16, tree 16, tree 8, chain, auto, autoregressive — each mode's mean position the same,
     so a drift of the machine's speed that is linear over the group hits them alike); where a
-    batch size has fewer
-    than PAIRS_PER_BATCH groups (one at batch 16 and 32), more (autoregressive, auto, auto,
-    autoregressive) blocks, so that its headline ratio rests on as many runs; then the slow trees
-    once. The whole order reversed when `flip`."""
+    batch size has fewer than PAIRS_PER_BATCH groups (one at batch 16 and 32), more
+    (autoregressive, auto, auto, autoregressive) blocks, so that its headline ratio rests on as
+    many runs; then the slow trees once. The whole order reversed when `flip`."""
     ar, auto = MODES[0], MODES[1]
     blocks = max(0, -(-PAIRS_PER_BATCH // groups) - 1)
     order = MODES[:FAST] + MODES[:FAST][::-1] + [ar, auto, auto, ar] * blocks + MODES[FAST:]
