@@ -532,53 +532,31 @@ def test_drafter_norm_and_rope_table_are_qwen3s():
     assert torch.equal(cos[positions], want[0]) and torch.equal(sin[positions], want[1])
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_draft_state_drafts_a_shorter_block_for_a_shallow_tree(fused):
-    """step(bonus, depth): an eager step drafts a block of depth + 1 rows — the logits the
-    host-list step gives for that block (its rows attend to each other, so they differ from the
-    full block's) — round after round with the depth changing; depth >= the drafter's depth
-    drafts the full block; draft_block refuses a block outside 2..block_size by name."""
-    target = tiny_target()
-    drafter = tiny_drafter()
-    drafter.fused_attention = fused
-    g = torch.Generator().manual_seed(4)
-
-    def hidden(batch, rows):
-        return tuple(torch.randn(batch, rows, HIDDEN, generator=g) for _ in range(LAYERS + 1))
-
-    prompts = [hidden(1, c) for c in (5, 9)]
-    state = drafter.begin(target, prompts, 120)
-    plain = drafter.new_cache(2)
-    feats = [drafter.target_features(h)[0] for h in prompts]
-    for depth in (3, 1, 7, 12, None, 5):
-        bonus = torch.randint(0, VOCAB, (2,), generator=g)
-        rows = None if depth is None or depth >= 7 else depth + 1
-        want = propose(drafter, target, bonus, feats, plain, block_rows=rows)
-        got = state.step(bonus, depth)
-        assert got.shape[1] == (7 if rows is None else depth)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        new = hidden(2, 8)
-        accept_len = torch.tensor([2, 3])
-        accepted = torch.tensor([[0, 1] + [-1] * 6, [0, 2, 3] + [-1] * 5])
-        state.commit(new, ddtree.Verdict(accepted, accept_len, bonus))
-        f = drafter.target_features(new)
-        feats = [f[b, accepted[b, : accept_len[b]]] for b in range(2)]
-    assert state.rows.committed_len.tolist() == plain.lengths
+def test_draft_block_refuses_a_block_outside_its_rows():
+    """draft_block(block_rows=) outside 2..block_size: a clear error naming it."""
+    target, drafter = tiny_target(), tiny_drafter()
+    hidden = tuple(torch.randn(1, 4, HIDDEN) for _ in range(LAYERS + 1))
+    state = drafter.begin(target, [hidden], 40)
     for bad in (1, 9):
         with pytest.raises(ValueError, match="block_rows must be in 2..8"):
-            drafter.draft_block(target, bonus, feats[0][None], state.rows, state.cache,
+            drafter.draft_block(target, torch.tensor([3]), state.prompt, state.rows, state.cache,
                                 block_rows=bad)
 
 
+@pytest.mark.parametrize("depths", [(None,) * 6, (3, 1, 7, 12, None, 5)],
+                         ids=["full-blocks", "shallow-blocks"])
 @pytest.mark.parametrize("told", [False, True], ids=["all-rows", "known-new-rows"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_draft_state_proposes_what_the_host_list_step_proposes(fused, told):
+def test_draft_state_proposes_what_the_host_list_step_proposes(fused, told, depths):
     """The drafter's fixed-shape loop state (prompt rows first, then the accepted rows gathered on
     the device into a [B, block_size] buffer, padded rows masked) proposes what
     the host-list drafter step (helpers.propose) proposes from the same rows, round after round,
     including requests that bring no new row (finished) — also when told the most rows a
     request accepted (known_new_rows, as the loop does after its host read: the step then reads
-    only that many feature rows; a round where none accepted any included)."""
+    only that many feature rows; a round where none accepted any included), and when a round's
+    tree goes only `depth` deep (step(bonus, depth): a block of depth + 1 rows, the host-list
+    step's logits for that block — its rows attend to each other, so they differ from the full
+    block's; depth >= the drafter's 7 drafts the full block)."""
     target = tiny_target()
     drafter = tiny_drafter()
     drafter.fused_attention = fused
@@ -591,10 +569,13 @@ def test_draft_state_proposes_what_the_host_list_step_proposes(fused, told):
     state = drafter.begin(target, prompts, 120)
     plain = drafter.new_cache(3)
     feats = [drafter.target_features(h)[0] for h in prompts]
-    for round_ in range(6):
+    for round_, depth in enumerate(depths):
         bonus = torch.randint(0, VOCAB, (3,), generator=g)
-        want = propose(drafter, target, bonus, feats, plain)
-        torch.testing.assert_close(state.step(bonus), want, rtol=1e-5, atol=1e-5)
+        block = None if depth is None or depth >= 7 else depth + 1
+        want = propose(drafter, target, bonus, feats, plain, block_rows=block)
+        got = state.step(bonus, depth)
+        assert got.shape[1] == (7 if block is None else depth)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         rows = hidden(3, 12)
         accept_len = torch.tensor([(round_ + b * 3) % 9 for b in range(3)]) * (round_ != 2)
         accepted = torch.stack([torch.randperm(12, generator=g)[:8] for _ in range(3)])
