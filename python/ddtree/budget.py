@@ -284,7 +284,8 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
                            budget="auto", policy=policy)
             for bucket, measured in policy.times.items():
                 times[bucket] += measured
-            cycles += [c for c in policy.cycles.values() if len(part) > 1 and len(c) == len(part)]
+            if len(part) > 1:
+                cycles += [c for c in policy.cycles.values() if len(c) == len(part)]
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -422,14 +423,17 @@ class FixedBucket:
 
 class CyclingBuckets(FixedBucket):
     """Calibration's policy: rounds cycle through `buckets` (round i verifies buckets[i mod
-    n]); the wall times of the rounds after their warm-up per bucket in `times`, and per cycle
-    (rounds n·k .. n·k + n - 1) in `cycles` (k -> bucket -> ms)."""
+    n]); the wall times of the rounds after their warm-up per cycle (rounds n·k .. n·k + n - 1)
+    in `cycles` (k -> bucket -> ms), and per bucket in `times`."""
 
     def __init__(self, buckets: Sequence[int]):
         super().__init__(buckets[0])
         self.cycle = list(buckets)
-        self.times: Dict[int, List[float]] = {b: [] for b in self.cycle}
         self.cycles: Dict[int, Dict[int, float]] = {}
+
+    @property
+    def times(self) -> Dict[int, List[float]]:
+        return {b: [c[b] for c in self.cycles.values() if b in c] for b in self.cycle}
 
     def choose(self) -> int:
         self.bucket = self.cycle[len(self.choices) % len(self.cycle)]
@@ -437,7 +441,6 @@ class CyclingBuckets(FixedBucket):
 
     def observe_cost(self, bucket: int, ms: float) -> None:
         super().observe_cost(bucket, ms)
-        self.times[bucket].append(ms)
         # The round just timed is the last one chosen.
         self.cycles.setdefault((len(self.choices) - 1) // len(self.cycle), {})[bucket] = ms
 
