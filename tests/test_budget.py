@@ -253,6 +253,7 @@ def test_learned_state_carries_over_between_generations(monkeypatch):
     target, drafter = tiny_target(seed=3), tiny_drafter()
     cheap = profile({0: 10.0, 4: 10.5, 8: 11.0, 16: 11.5, 32: 12.0, 64: 13.0})
     first = cost_aware.auto_policy(target, drafter, 1, cheap)
+    first.learn_min_rounds = 1  # a short generation still teaches its gains
     generate(target, drafter, torch.tensor([PROMPTS[0]]), 12, budget="auto", policy=first)
     cost_aware.remember(first)
     second = cost_aware.auto_policy(target, drafter, 1, cheap)
@@ -378,8 +379,10 @@ def test_a_batch_is_priced_by_its_slowest_request():
 def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_plain():
     """observe_generation: the time autoregressive decoding would have taken (each request's
     tokens after its first, one a round, at the power-of-two batch of the requests still live)
-    over the generation's measured loop time; generations at that batch size that follow one
-    measured below 1x run plain (re-checked every REFRESH_AFTER-th), not at batch 1."""
+    over the generation's measured loop time (a running mean over about plain_evidence
+    requests, from generations of at least learn_min_rounds rounds); once that many requests
+    were learned from, generations at that batch size that follow a mean below 1x run plain
+    (re-checked every REFRESH_AFTER-th), not at batch 1."""
     ms = {0: 10.0, 4: 30.0, 8: 32.0, 16: 35.0, 32: 40.0, 64: 50.0}
     smaller = {2: profile({**ms, 0: 8.0}, batch=2), 1: profile({**ms, 0: 5.0}, batch=1)}
     policy = cost_aware.AutoBudget(profile(ms, batch=4), smaller=smaller)
@@ -388,8 +391,27 @@ def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_
     # rounds 0-5: 4 or 3 live (batch 4, 10 ms), rounds 6-9: 2 live (batch 2, 8 ms) = 92 ms
     policy.observe_generation(115.0, [10, 10, 6, 3])
     assert policy.measured_speedup == pytest.approx(92 / 115)
+    # The batch shrank to 1 by the end: the sizes it had are still priced by their profiles.
+    policy.resize(1)
+    policy.observe_generation(115.0, [10, 10, 6, 3])
+    assert policy.measured_speedup == pytest.approx(92 / 115)
+    # A generation of fewer than learn_min_rounds rounds teaches nothing of the kind.
+    assert "measured_speedup" not in policy.finish([1.0, 1.0])
+    policy.choices = [4] * policy.learn_min_rounds
     learned = policy.finish([1.0, 1.0])
     assert learned["measured_speedup"] == pytest.approx(0.8)
+    assert learned["evidence_requests"] == 4
+    # Plain generations need plain_evidence requests learned from at this batch size (8): a
+    # second batch of 4, measured at 0.6, weighs 4 / (4 + 4) of the running mean.
+    early = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, prior=learned)
+    assert not early.plain_autoregressive(4, 15)
+    second = cost_aware.AutoBudget(profile(ms, batch=4), smaller=smaller, prior=learned)
+    second.start(4, 15, "cpu")
+    second.choices = [4] * second.learn_min_rounds
+    second.observe_generation(92.0 / 0.6, [10, 10, 6, 3])
+    learned = second.finish([1.0, 1.0])
+    assert learned["measured_speedup"] == pytest.approx(0.7)
+    assert learned["evidence_requests"] == 8
     after = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, prior=learned)
     assert after.plain_autoregressive(4, 15) and after.plain_reason.startswith("measured")
     assert not after.plain_autoregressive(1, 15)  # a single request: probes decide
@@ -401,7 +423,7 @@ def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_
     assert not refresh.plain_autoregressive(4, 15)
     # The loop reports every auto generation.
     target, drafter = tiny_target(seed=3), tiny_drafter()
-    looped = cost_aware.AutoBudget(profile(ms, batch=2))
+    looped = cost_aware.AutoBudget(profile(ms, batch=2), learn_min_rounds=1)
     generate_batch(target, drafter, PROMPTS[:2], 12, budget="auto", policy=looped)
     assert looped.measured_speedup > 0 and looped.learned["measured_speedup"] > 0
     # Under tensor parallelism (costs not learned) each rank's clock would decide differently.
@@ -493,11 +515,13 @@ def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
 def test_when_a_whole_generation_runs_plain_autoregressive():
     """At batch 1 weak learned estimates do not switch the drafter off for a generation (a
     request's gains swing with its prompt): it starts autoregressive and probes after
-    probe_after rounds. At batch >= 2 they do (a batch's estimate averages its requests), and
-    every REFRESH_AFTER-th such generation drafts again. Costs at which no tree could pay even
+    probe_after rounds. At batch >= 2 they do (a batch's estimate averages its requests) once
+    plain_evidence requests were learned from, and every REFRESH_AFTER-th such generation
+    drafts again. Costs at which no tree could pay even
     with every node accepted — as profiled, or as earlier generations measured them — make any
     generation plain."""
-    weak = {"expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "calibration": [1.0, 2.0]}
+    weak = {"expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "calibration": [1.0, 2.0],
+            "evidence_requests": 8}
     target, drafter = tiny_target(seed=3), tiny_drafter()
     truths = [greedy_reference(target, torch.tensor([p]), 24) for p in PROMPTS[:2]]
     alone = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0}, batch=1)
@@ -508,6 +532,8 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     assert policy.choices[: policy.probe_after] == [0] * policy.probe_after
     assert policy.choices[policy.probe_after] > 0 and policy.reasons[policy.probe_after] == "probe"
     pair = profile(alone.round_ms, batch=2)
+    unproven = {**weak, "evidence_requests": 6}  # three batches of 2 learned from: too few
+    assert not cost_aware.AutoBudget(pair, prior=unproven).plain_autoregressive(2, 15)
     plain = cost_aware.AutoBudget(pair, prior=weak)
     assert plain.plain_autoregressive(2, 15)
     results = generate_batch(target, drafter, PROMPTS[:2], 16, budget="auto", policy=plain)

@@ -483,9 +483,18 @@ class AutoBudget:
     # (an autoregressive round says nothing about the draft; the next probe comes only after a
     # wait), so one weak round inside a run of good ones does not end the run.
     stay: float = 0.9
-    # Whole generations run plain autoregressive on learned gains (plain_autoregressive).
+    # Whole generations run plain autoregressive on learned gains (plain_autoregressive), once
+    # the drafting generations learned from at this batch size held at least `plain_evidence`
+    # requests (a pair of requests' gains swing with their prompts as a single request's do).
     plain_margin: float = 0.8
     plain_min_batch: int = 2
+    plain_evidence: int = 8
+    # A generation of fewer rounds leaves what earlier ones learned about drafting's gains (the
+    # expected tokens, the measured speed-up) as it was (finish): its rounds are a generation's
+    # first, whose drafts are the least confident and whose times carry one-time costs
+    # (allocations at new shapes, the drafter's first passes) that its few rounds do not
+    # amortise, while the autoregressive time it is held against is warm rounds'.
+    learn_min_rounds: int = 16
     # Cost profiles of the smaller batch sizes the batch can shrink to (finished requests leave
     # it): batch -> profile. A size without one keeps the current profile.
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
@@ -515,6 +524,9 @@ class AutoBudget:
         # drafts its first round; where that round does not pay, `plain_rest` is set and the
         # loop runs the rest of the generation as plain autoregressive rounds.
         self.rechecking = self.plain_rest = False
+        # Every batch size's profile: resize() replaces self.profile, cost(b, batch) still
+        # prices the sizes the generation had.
+        self.profiles = {p.batch: p for p in [*self.smaller.values(), self.profile] if p}
 
     def start(self, batch: int, depth: int, device) -> None:
         for profile in [self.profile, *self.smaller.values()]:
@@ -522,7 +534,7 @@ class AutoBudget:
             if missing:
                 raise ValueError(f"AutoBudget: the cost profile of batch {profile.batch} lacks "
                                  f"buckets {missing}")
-        self.batch, self.depth = batch, depth
+        self.batch, self.depth, self.requests = batch, depth, batch
         self.per_request = list((self.prior or {}).get("expected_per_request") or
                                 [min(1.0 + min(b, depth), self.PRIOR_TOKENS) for b in self.buckets])
         self.wait, self.since_draft = self.probe_after, 0
@@ -539,19 +551,34 @@ class AutoBudget:
 
     def finish(self, calibration_sums: List[float]) -> dict:
         """At the end of a generation: what the next one may start from (the expected gains
-        averaged with what earlier generations learned)."""
+        averaged with what earlier generations learned; a generation of fewer than
+        `learn_min_rounds` rounds leaves those gains and the measured speed-up as they were)."""
         learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios)
         if self.plain_rest:
             learned["refresh_after"] = min(self.REFRESH_MAX, 2 * self.refresh_after())
+        if len(self.choices) < self.learn_min_rounds:
+            for key in ("expected_per_request", "measured_speedup", "evidence_requests"):
+                if (self.prior or {}).get(key) is not None:
+                    learned[key] = self.prior[key]
+            self.learned = learned
+            return learned
+        prior = self.prior or {}
+        learned["evidence_requests"] = prior.get("evidence_requests", 0) + self.requests
         if self.per_request is not None:
-            before = (self.prior or {}).get("expected_per_request")
+            before = prior.get("expected_per_request")
             learned["expected_per_request"] = list(self.per_request) if not before else \
                 [(a + b) / 2 for a, b in zip(self.per_request, before)]
+        # The measured speed-up: a running mean over about the last `plain_evidence` requests
+        # (this generation's weigh requests / (earlier ones, at most plain_evidence, + requests)).
         speedup = getattr(self, "measured_speedup", None)
-        before = (self.prior or {}).get("measured_speedup")
-        if speedup is not None or before is not None:
-            learned["measured_speedup"] = speedup if before is None else before if \
-                speedup is None else (speedup + before) / 2
+        before = prior.get("measured_speedup")
+        if speedup is not None:
+            evidence = min(prior.get("evidence_requests", 0), self.plain_evidence)
+            weight = self.requests / (evidence + self.requests)
+            learned["measured_speedup"] = speedup if before is None else \
+                weight * speedup + (1 - weight) * before
+        elif before is not None:
+            learned["measured_speedup"] = before
         self.learned = learned
         return learned
 
@@ -569,13 +596,16 @@ class AutoBudget:
     def plain_autoregressive(self, batch: int, depth: int) -> bool:
         """Whether a whole generation runs as plain autoregressive decoding: when no tree could
         pay even with every node accepted (never_drafts), or — batches of at least
-        `plain_min_batch` requests — when the expected gains learned by earlier generations at
-        this batch size put every tree below `plain_margin` of an autoregressive round, or when
-        earlier drafting generations at this batch size were measured slower than
+        `plain_min_batch` requests, once the drafting generations learned from at this batch
+        size held `plain_evidence` requests — when the expected gains learned by earlier generations
+        at this batch size put every tree below `plain_margin` of an autoregressive round, or
+        when earlier drafting generations at this batch size were measured slower than
         autoregressive decoding would have been (observe_generation: the outcome, whatever the
-        estimates said). A single request's gains swing with its prompt (tree 16 on the
-        held-out prompts: 1.4 to 8.6 tokens a round), so at batch 1 one generation says little
-        about the next and probes decide instead; a batch's estimate averages its requests.
+        estimates said; a running mean over about the last `plain_evidence` requests, finish).
+        A single request's gains swing with its prompt (tree 16 on the held-out
+        prompts: 1.4 to 8.6 tokens a round), so at batch 1 one generation says little about the
+        next and probes decide instead; a batch's estimate averages its requests, and a few
+        batches' the more.
         After refresh_after() such generations one re-checks (`rechecking`): its first round
         drafts, and unless that round pays the rest of it runs as plain autoregressive rounds
         (`plain_rest`: no drafter, no auto-loop bookkeeping) and the plain generations before
@@ -587,7 +617,8 @@ class AutoBudget:
         prior = self.prior or {}
         learned = prior.get("expected_per_request")
         self.rechecking, reason = False, None
-        if batch >= self.plain_min_batch:
+        if batch >= self.plain_min_batch and \
+                prior.get("evidence_requests", 0) >= self.plain_evidence:
             if learned and max(self.rate(b, e) for b, e in zip(self.buckets, learned)
                                if b > 0) < self.plain_margin * self.rate(0, 1.0):
                 reason = "learned expected gains: no tree comes close to paying"
@@ -655,8 +686,7 @@ class AutoBudget:
         """Milliseconds of a round of `bucket` at the current batch size (or `batch`, one with a
         profile): the profile's, times its kind's measured ratio at that size (or, before a
         round of that kind has run, the other kind's)."""
-        profile = self.profile if batch is None else \
-            {p.batch: p for p in [self.profile, *self.smaller.values()]}.get(batch, self.profile)
+        profile = self.profile if batch is None else self.profiles.get(batch, self.profile)
         ratios = self.cost_ratios.get(profile.batch, {}) if self.learn_costs else {}
         ratio = ratios.get(self._kind(bucket),
                            sum(ratios.values()) / len(ratios) if ratios else 1.0)
