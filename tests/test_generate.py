@@ -687,7 +687,7 @@ def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
             batch=3, round_ms={0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0},
             target="t", drafter="d", device="cpu", dtype="float32", version="test")
         policy = cost_aware.AutoBudget(costs, learn_costs=False, prior={
-            "expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2],
+            "expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "evidence_requests": 8,
             "plain_runs": cost_aware.AutoBudget.REFRESH_AFTER})
     budget = dict(mode="tree", budget="auto", policy=ScriptedBudgets([8, 0, 0, 16, 4, 0, 64])) \
         if mode == "auto" else dict(mode="tree", budget="auto", policy=policy) \
