@@ -529,7 +529,7 @@ class AutoBudget:
         self.profiles = {p.batch: p for p in [*self.smaller.values(), self.profile] if p}
 
     def start(self, batch: int, depth: int, device) -> None:
-        for profile in [self.profile, *self.smaller.values()]:
+        for profile in self.profiles.values():
             missing = [b for b in self.buckets if b not in profile.round_ms]
             if missing:
                 raise ValueError(f"AutoBudget: the cost profile of batch {profile.batch} lacks "
@@ -553,16 +553,16 @@ class AutoBudget:
         """At the end of a generation: what the next one may start from (the expected gains
         averaged with what earlier generations learned; a generation of fewer than
         `learn_min_rounds` rounds leaves those gains and the measured speed-up as they were)."""
+        prior = self.prior or {}
         learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios)
         if self.plain_rest:
             learned["refresh_after"] = min(self.REFRESH_MAX, 2 * self.refresh_after())
         if len(self.choices) < self.learn_min_rounds:
             for key in ("expected_per_request", "measured_speedup", "evidence_requests"):
-                if (self.prior or {}).get(key) is not None:
-                    learned[key] = self.prior[key]
+                if prior.get(key) is not None:
+                    learned[key] = prior[key]
             self.learned = learned
             return learned
-        prior = self.prior or {}
         learned["evidence_requests"] = prior.get("evidence_requests", 0) + self.requests
         if self.per_request is not None:
             before = prior.get("expected_per_request")
@@ -704,7 +704,7 @@ class AutoBudget:
         # plus one probe, with no autoregressive round of the auto loop timed: nothing to learn.
         if not self.learn_costs or loop_ms <= 0 or self.plain_rest:
             return
-        sizes = sorted(self.smaller) + [self.initial_batch]
+        sizes = sorted(self.profiles)
         round_ms = {s: self.cost(0, s) for s in sizes}  # once per size, not per round
         needed, live, plain_ms = sorted(rounds_needed), len(rounds_needed), 0.0
         for t in range(max(needed, default=0)):
