@@ -4,7 +4,8 @@ group of requests, the order alternating, the fast modes twice in a palindrome a
 autoregressive / auto at least 4 times a batch size; ratios paired per repeat, then their
 median); every
 mode checked token-for-token against autoregressive; auto's chosen budget per round as a
-histogram per batch size, and its calibrated predicted vs observed tokens per round.
+histogram per batch size, its calibrated predicted vs observed tokens per round, and a record
+of each of its generations (drafted request-rounds, rounds per reason, measured speed-up).
 
   python bench/bench_concurrency.py [--batches 1 2 4 16 32] [--requests 16] [--new-tokens 96]
                                     [--repeats 3] [--json F] [--plot F] [--device cpu|cuda]
@@ -59,12 +60,28 @@ def label(mode, budget):
 
 
 def run_group(target, drafter, group, mode, budget, new_tokens, profile):
+    """One generate_batch call: (results, seconds, the AutoBudget of an auto call or None)."""
     kwargs = dict(mode=mode) if budget is None else dict(budget=budget)
-    if budget == "auto":
-        kwargs["cost_profile"] = profile  # what earlier calls learned carries over
+    policy = None
+    if budget == "auto":  # the policy generate_batch would make; what earlier calls learned
+        policy = kwargs["policy"] = cost_aware.auto_policy(target, drafter, len(group), profile)
     start = time.perf_counter()
     out = generate_batch(target, drafter, group, new_tokens, **kwargs)
-    return out, time.perf_counter() - start
+    return out, time.perf_counter() - start, policy
+
+
+def generation_record(results, policy) -> dict:
+    """What one auto generation did and why: its drafted request-rounds, its rounds per choice
+    and reason ("bucket: reason", AutoBudget.choices / reasons: the per-round choice, a probe, a
+    re-check, a plain generation's rule) and the speed-up it measured (None when it measured
+    none)."""
+    rounds = {}
+    for bucket, reason in zip(policy.choices, policy.reasons):
+        rounds[f"{bucket}: {reason}"] = rounds.get(f"{bucket}: {reason}", 0) + 1
+    speedup = getattr(policy, "measured_speedup", None)
+    return dict(drafted_request_rounds=sum(b > 0 for r in results for b in r.round_budgets),
+                rounds_by_choice=rounds,
+                measured_speedup=None if speedup is None else round(speedup, 4))
 
 
 def main():
@@ -99,6 +116,7 @@ def main():
     for batch in args.batches:  # warm-up: every mode once at every batch size, untimed
         for mode, budget in MODES:
             run_group(target, drafter, prompts[:batch], mode, budget, 8, profiles[batch])
+    generations = {}  # batch -> generation_record of every timed auto call, in order
     runs = {}  # (batch, label) -> list of tokens/s over repeats
     chosen, calibration = {}, {}
     for rep in range(args.repeats):
@@ -113,8 +131,8 @@ def main():
                 done = {}
                 for mode, budget in schedule((rep + g) % 2 == 1, len(groups)):
                     name = label(mode, budget)
-                    results, seconds = run_group(target, drafter, group, mode, budget,
-                                                 args.new_tokens, profiles[batch])
+                    results, seconds, policy = run_group(target, drafter, group, mode, budget,
+                                                         args.new_tokens, profiles[batch])
                     totals[name][0] += sum(len(r.tokens) for r in results)
                     totals[name][1] += seconds
                     tokens = [r.tokens for r in results]
@@ -122,6 +140,8 @@ def main():
                         raise SystemExit(f"bench_concurrency: {name} at batch {batch} gave "
                                          f"other tokens on a later run")
                     if budget == "auto":
+                        generations.setdefault(batch, []).append(
+                            generation_record(results, policy))
                         chosen.setdefault(batch, []).extend(
                             b for r in results for b in r.round_budgets)
                         drafted = [(p, n) for r in results for p, n, b in zip(
@@ -167,6 +187,7 @@ def main():
                 p, o, n = calibration.get(batch, [0.0, 0.0, 0])
                 row["predicted_tokens_per_drafted_round"] = p / n if n else None
                 row["observed_tokens_per_drafted_round"] = o / n if n else None
+                row["generations"] = generations[batch]
             rows.append(row)
     print(f"{'batch':>5} {'mode':<15} {'tok/s':>9} {'spread':>17} {'vs AR':>7}")
     for r in rows:
@@ -178,6 +199,8 @@ def main():
                 extra += (f"; tokens/drafted round predicted "
                           f"{r['predicted_tokens_per_drafted_round']:.2f} observed "
                           f"{r['observed_tokens_per_drafted_round']:.2f}")
+            idle = [g for g in r["generations"] if not g["drafted_request_rounds"]]
+            extra += f"; {len(idle)} of {len(r['generations'])} generations drafted no round"
         print(f"{r['batch']:>5} {r['mode']:<15} {r['tokens_per_second']:>9.1f} "
               f"{r['min']:>8.1f}-{r['max']:<8.1f} {r['vs_autoregressive']:>6.2f}x{extra}")
     if args.json:
