@@ -5,7 +5,8 @@ autoregressive / auto at least 4 times a batch size; ratios paired per repeat, t
 median); every
 mode checked token-for-token against autoregressive; auto's chosen budget per round as a
 histogram per batch size, its calibrated predicted vs observed tokens per round, and a record
-of each of its generations (drafted request-rounds, rounds per reason, measured speed-up).
+of each of its generations (drafted request-rounds, rounds per choice and reason, measured
+speed-up).
 
   python bench/bench_concurrency.py [--batches 1 2 4 16 32] [--requests 16] [--new-tokens 96]
                                     [--repeats 3] [--json F] [--plot F] [--device cpu|cuda]
