@@ -23,6 +23,7 @@ drafter runs its default path (fused_attention="auto"). On a GPU the same
 script runs unchanged (bench/gpu_check.sh calls it).
 """
 import argparse
+from collections import Counter
 import json
 import os
 import statistics
@@ -76,12 +77,10 @@ def generation_record(results, policy) -> dict:
     and reason ("bucket: reason", AutoBudget.choices / reasons: the per-round choice, a probe, a
     re-check, a plain generation's rule) and the speed-up it measured (None when it measured
     none)."""
-    rounds = {}
-    for bucket, reason in zip(policy.choices, policy.reasons):
-        rounds[f"{bucket}: {reason}"] = rounds.get(f"{bucket}: {reason}", 0) + 1
+    rounds = Counter(f"{b}: {reason}" for b, reason in zip(policy.choices, policy.reasons))
     speedup = getattr(policy, "measured_speedup", None)
     return dict(drafted_request_rounds=sum(b > 0 for r in results for b in r.round_budgets),
-                rounds_by_choice=rounds,
+                rounds_by_choice=dict(rounds),
                 measured_speedup=None if speedup is None else round(speedup, 4))
 
 
