@@ -512,6 +512,59 @@ def test_calibrated_prediction_matches_observed_tokens_on_held_out_prompts():
     assert abs(mean_p - mean_o) <= 0.1 * mean_o
 
 
+def test_a_size_measured_slower_makes_relatively_dearer_sizes_plain(tmp_path, monkeypatch):
+    """Drafting generations measured slower than autoregressive decoding at one batch size
+    (plain_evidence requests) make another batch size plain from its first generation where no
+    tree costs relatively more at the first size than at the new one (a request's expected gain
+    does not depend on the batch size); not where some tree is relatively cheaper, not at batch
+    1, not on thinner evidence or a measured gain, and not once the new size has evidence of
+    its own."""
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    target, drafter = tiny_target(seed=3), tiny_drafter()
+    pair = profile({0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0}, batch=2)
+    three = profile({0: 11.0, 4: 24.0, 8: 27.0, 16: 33.0, 32: 55.0, 64: 110.0}, batch=3)
+
+    def drafting_generation(speedup):  # a generation of the auto loop at batch 2, as measured
+        policy = cost_aware.auto_policy(target, drafter, 2, pair)
+        policy.start(2, drafter.block_size - 1, "cpu")
+        policy.choices = [4] * policy.learn_min_rounds
+        policy.measured_speedup = speedup
+        policy.finish([1.0, 1.0])
+        cost_aware.remember(policy)
+        return policy.learned
+
+    assert drafting_generation(0.8)["relative_costs"] == [1.0, 2.0, 2.2, 2.5, 4.0, 8.0]
+    fresh = cost_aware.auto_policy(target, drafter, 3, three)
+    assert not fresh.plain_autoregressive(3, 15)  # 2 requests learned from: too few
+    assert drafting_generation(0.8)["evidence_requests"] == 4
+    assert not cost_aware.auto_policy(target, drafter, 3, three).plain_autoregressive(3, 15)
+    for _ in range(2):
+        learned = drafting_generation(0.8)
+    assert learned["evidence_requests"] == 8 and learned["measured_speedup"] < 1.0
+    new = cost_aware.auto_policy(target, drafter, 3, three)
+    assert new.prior["other_sizes"][2]["measured_speedup"] == learned["measured_speedup"]
+    assert new.plain_autoregressive(3, 15) and new.plain_reason.startswith("measured at batch 2")
+    truths = [greedy_reference(target, torch.tensor([p]), 12) for p in PROMPTS[:3]]
+    results = generate_batch(target, drafter, PROMPTS[:3], 12, budget="auto", policy=new)
+    assert [r.tokens for r in results] == truths
+    assert set(new.choices) == {0} and set(new.reasons) == {new.plain_reason}
+    assert new.learned["plain_runs"] == 1 and "other_sizes" not in new.learned
+    assert cost_aware.auto_policy(target, drafter, 3, three).plain_autoregressive(3, 15)
+    # Tree 4 relatively cheaper at the new size (2.0x an autoregressive round at batch 2).
+    cheaper = profile({**three.round_ms, 4: 21.0}, batch=3)
+    assert not cost_aware.auto_policy(target, drafter, 3, cheaper).plain_autoregressive(3, 15)
+    alone = profile({k: v / 2 for k, v in three.round_ms.items()}, batch=1)
+    assert not cost_aware.auto_policy(target, drafter, 1, alone).plain_autoregressive(1, 15)
+    # The new size's own evidence decides once it has it: drafting measured to pay there.
+    own = cost_aware.auto_policy(target, drafter, 3, three)
+    own.prior.update(evidence_requests=9, measured_speedup=1.2)
+    assert not own.plain_autoregressive(3, 15)
+    # Drafting measured to pay at batch 2 after all: no longer a reason elsewhere.
+    for _ in range(4):
+        drafting_generation(1.5)
+    assert not cost_aware.auto_policy(target, drafter, 3, three).plain_autoregressive(3, 15)
+
+
 def test_when_a_whole_generation_runs_plain_autoregressive():
     """At batch 1 weak learned estimates do not switch the drafter off for a generation (a
     request's gains swing with its prompt): it starts autoregressive and probes after

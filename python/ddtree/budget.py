@@ -554,7 +554,8 @@ class AutoBudget:
         averaged with what earlier generations learned; a generation of fewer than
         `learn_min_rounds` rounds leaves those gains and the measured speed-up as they were)."""
         prior = self.prior or {}
-        learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios)
+        learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios,
+                       relative_costs=self.relative_costs(self.initial_batch))
         if self.plain_rest:
             learned["refresh_after"] = min(self.REFRESH_MAX, 2 * self.refresh_after())
         if len(self.choices) < self.learn_min_rounds:
@@ -602,7 +603,9 @@ class AutoBudget:
         autoregressive round, or when earlier drafting generations at this batch size were
         measured slower than autoregressive decoding would have been (observe_generation: the
         outcome, whatever the estimates said; a running mean over about the last
-        `plain_evidence` requests, finish). A single request's gains swing with its prompt
+        `plain_evidence` requests, finish); before that many requests were learned from at this
+        batch size, when drafting was measured so at another batch size where no tree costs
+        relatively more than here (slower_elsewhere). A single request's gains swing with its prompt
         (tree 16 on the held-out prompts: 1.4 to 8.6 tokens a round), so at batch 1 one
         generation says little about the next and probes decide instead; a batch's estimate
         averages its requests, and a few batches' the more.
@@ -625,11 +628,41 @@ class AutoBudget:
             elif prior.get("measured_speedup", math.inf) < 1.0:
                 reason = ("measured: drafting generations at this batch size took longer than "
                           "autoregressive decoding would have")
+        elif batch >= self.plain_min_batch:
+            slower = self.slower_elsewhere()
+            if slower is not None:
+                reason = (f"measured at batch {slower}: drafting generations took longer than "
+                          f"autoregressive decoding would have, and every tree costs relatively "
+                          f"more at this batch size")
         if reason is not None and prior.get("plain_runs", 0) < self.refresh_after():
             self.plain_reason = reason
             return True
         self.rechecking = reason is not None
         return False
+
+    def relative_costs(self, batch: Optional[int] = None) -> List[float]:
+        """Each bucket's profiled round cost over an autoregressive round's, at the current batch
+        size (or `batch`, one with a profile)."""
+        ms = self.profiles.get(batch, self.profile).round_ms
+        return [ms[b] / max(1e-9, ms[0]) for b in self.buckets]
+
+    def slower_elsewhere(self) -> Optional[int]:
+        """A batch size measured slower than autoregressive decoding when drafting (a measured
+        speed-up below 1 from at least plain_evidence requests) where no tree costs relatively
+        more than here (relative_costs, prior["other_sizes"]: what auto_policy found learned at
+        other batch sizes), or None. A request's expected gain does not depend on the batch
+        size, and a batch lasts until its slowest request is done, so drafting that did not pay
+        there does not pay here either: a new batch size does not spend its first generations
+        learning so."""
+        here = self.relative_costs()
+        for size, other in sorted(((self.prior or {}).get("other_sizes") or {}).items()):
+            there = other.get("relative_costs")
+            if other.get("evidence_requests", 0) >= self.plain_evidence and \
+                    other.get("measured_speedup", math.inf) < 1.0 and \
+                    there and len(there) == len(here) and \
+                    all(h >= t for b, h, t in zip(self.buckets, here, there) if b > 0):
+                return size
+        return None
 
     RECHECK_FAILED = "re-check: drafting still does not pay"
 
@@ -647,7 +680,7 @@ class AutoBudget:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
         self.choices += [0] * rounds
         self.reasons += [self.plain_reason] * rounds
-        self.learned = dict(self.prior or {})
+        self.learned = {k: v for k, v in (self.prior or {}).items() if k != "other_sizes"}
         self.learned["plain_runs"] = self.learned.get("plain_runs", 0) + 1
 
     def resize(self, batch: int) -> None:
@@ -870,6 +903,10 @@ _LEARNED = weakref.WeakKeyDictionary()
 _LEARNED_LOCK = threading.Lock()
 
 
+# What a batch size's drafting generations measured, shown to the others (slower_elsewhere).
+OUTCOME = ("measured_speedup", "evidence_requests", "relative_costs")
+
+
 def shrink_sizes(batch: int) -> List[int]:
     """The batch sizes a batch of `batch` requests can shrink to as requests finish: the powers
     of two below it (generate's rows_to_keep)."""
@@ -907,8 +944,13 @@ def auto_policy(target, drafter, batch: int, profile=None) -> AutoBudget:
         learned = _LEARNED.get(target, {})
         prior = learned.get((id(drafter), batch))
         calibration = learned.get((id(drafter), "calibration"))
+        other_sizes = {size: {k: v[k] for k in OUTCOME if k in v}
+                       for (d, size), v in learned.items()
+                       if d == id(drafter) and isinstance(size, int) and size != batch}
     if calibration is not None:  # the drafter's confidence does not depend on the batch size
         prior = {**(prior or {}), "calibration": calibration}
+    if other_sizes:  # what drafting measured at other batch sizes (AutoBudget.slower_elsewhere)
+        prior = {**(prior or {}), "other_sizes": other_sizes}
     # Under tensor parallelism every rank must take the same bucket each round: round times
     # measured on each rank would differ, so the shared profile is used as measured.
     policy = AutoBudget(_shared(main), prior=prior, learn_costs=_world_size() == 1,
