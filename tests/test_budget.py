@@ -379,8 +379,9 @@ def test_a_batch_is_priced_by_its_slowest_request():
 def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_plain():
     """observe_generation: the time autoregressive decoding would have taken (each request's
     tokens after its first, one a round, at the power-of-two batch of the requests still live)
-    over the generation's measured loop time (a running mean over about plain_evidence
-    requests, from generations of at least learn_min_rounds rounds); once that many requests
+    over the generation's measured loop time, the prefill added to both (a ratio of running
+    means over about plain_evidence requests, from generations of at least learn_min_rounds
+    rounds); once that many requests
     were learned from, generations at that batch size that follow a mean below 1x run plain
     (re-checked every REFRESH_AFTER-th), not at batch 1."""
     ms = {0: 10.0, 4: 30.0, 8: 32.0, 16: 35.0, 32: 40.0, 64: 50.0}
@@ -395,6 +396,10 @@ def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_
     policy.resize(1)
     policy.observe_generation(115.0, [10, 10, 6, 3])
     assert policy.measured_speedup == pytest.approx(92 / 115)
+    # The prefill both pay (the drafter's prompt pass is in the loop's time).
+    policy.observe_generation(115.0, [10, 10, 6, 3], prefill_ms=20.0)
+    assert policy.measured_speedup == pytest.approx(112 / 135)
+    policy.observe_generation(115.0, [10, 10, 6, 3])
     # A generation of fewer than learn_min_rounds rounds teaches nothing of the kind.
     assert "measured_speedup" not in policy.finish([1.0, 1.0])
     policy.choices = [4] * policy.learn_min_rounds
@@ -402,7 +407,7 @@ def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_
     assert learned["measured_speedup"] == pytest.approx(0.8)
     assert learned["evidence_requests"] == 4
     # Plain generations need plain_evidence requests learned from at this batch size (8): a
-    # second batch of 4, measured at 0.6, weighs 4 / (4 + 4) of the running mean.
+    # second batch of 4, measured at 0.6, weighs 4 / (4 + 4) of the running means.
     early = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, prior=learned)
     assert not early.plain_autoregressive(4, 15)
     second = cost_aware.AutoBudget(profile(ms, batch=4), smaller=smaller, prior=learned)
@@ -410,7 +415,7 @@ def test_drafting_generations_measured_slower_than_autoregressive_make_the_next_
     second.choices = [4] * second.learn_min_rounds
     second.observe_generation(92.0 / 0.6, [10, 10, 6, 3])
     learned = second.finish([1.0, 1.0])
-    assert learned["measured_speedup"] == pytest.approx(0.7)
+    assert learned["measured_speedup"] == pytest.approx(92 / ((115 + 92 / 0.6) / 2))
     assert learned["evidence_requests"] == 8
     after = cost_aware.AutoBudget(profile(ms, batch=4), learn_costs=False, prior=learned)
     assert after.plain_autoregressive(4, 15) and after.plain_reason.startswith("measured")
@@ -528,7 +533,7 @@ def test_a_size_measured_slower_makes_relatively_dearer_sizes_plain(tmp_path, mo
         policy = cost_aware.auto_policy(target, drafter, 2, pair)
         policy.start(2, drafter.block_size - 1, "cpu")
         policy.choices = [4] * policy.learn_min_rounds
-        policy.measured_speedup = speedup
+        policy.measured_ms = [100.0 * speedup, 100.0]  # plain decoding's time, this one's
         policy.finish([1.0, 1.0])
         cost_aware.remember(policy)
         return policy.learned
@@ -610,6 +615,10 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     # Its loop time is plain decoding's plus one probe: no measured speed-up is learned from it.
     assert "plain_runs" not in recheck.learned and recheck.measured_speedup is None
     assert "measured_speedup" not in recheck.learned
+    # Nor is it a drafting generation learned from: the requests and gains stay as they were
+    # (a new batch size that started plain on another's evidence still has none of its own).
+    assert recheck.learned["evidence_requests"] == due["evidence_requests"]
+    assert recheck.learned["expected_per_request"] == due["expected_per_request"]
     assert cost_aware.AutoBudget(pair, prior=recheck.learned).plain_autoregressive(2, 15)
     # Each re-check that does not pay doubles the plain generations before the next one.
     doubled = 2 * cost_aware.AutoBudget.REFRESH_AFTER

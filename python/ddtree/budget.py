@@ -552,14 +552,17 @@ class AutoBudget:
     def finish(self, calibration_sums: List[float]) -> dict:
         """At the end of a generation: what the next one may start from (the expected gains
         averaged with what earlier generations learned; a generation of fewer than
-        `learn_min_rounds` rounds leaves those gains and the measured speed-up as they were)."""
+        `learn_min_rounds` rounds, or a re-check that went plain after its first round
+        (plain_rest: one drafted round, no measured speed-up), leaves those gains, the measured
+        speed-up and the requests learned from as they were)."""
         prior = self.prior or {}
         learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios,
                        relative_costs=self.relative_costs(self.initial_batch))
         if self.plain_rest:
             learned["refresh_after"] = min(self.REFRESH_MAX, 2 * self.refresh_after())
-        if len(self.choices) < self.learn_min_rounds:
-            for key in ("expected_per_request", "measured_speedup", "evidence_requests"):
+        if len(self.choices) < self.learn_min_rounds or self.plain_rest:
+            for key in ("expected_per_request", "measured_ms", "measured_speedup",
+                        "evidence_requests"):
                 if prior.get(key) is not None:
                     learned[key] = prior[key]
             self.learned = learned
@@ -569,17 +572,22 @@ class AutoBudget:
             before = prior.get("expected_per_request")
             learned["expected_per_request"] = list(self.per_request) if not before else \
                 [(a + b) / 2 for a, b in zip(self.per_request, before)]
-        # The measured speed-up: a running mean over about the last `plain_evidence` requests
-        # (this generation's weigh requests / (earlier ones, at most plain_evidence, + requests)).
-        speedup = getattr(self, "measured_speedup", None)
-        before = prior.get("measured_speedup")
-        if speedup is not None:
+        # The measured speed-up: the ratio of running means, over about the last
+        # `plain_evidence` requests, of plain decoding's estimated time and the generations'
+        # (this generation's weigh requests / (earlier ones, at most plain_evidence, +
+        # requests)); a mean of per-generation ratios would run high where they spread.
+        times = getattr(self, "measured_ms", None)
+        before = prior.get("measured_ms")
+        if times is not None:
             evidence = min(prior.get("evidence_requests", 0), self.plain_evidence)
             weight = self.requests / (evidence + self.requests)
-            learned["measured_speedup"] = speedup if before is None else \
-                weight * speedup + (1 - weight) * before
+            if before is not None:
+                times = [weight * t + (1 - weight) * b for t, b in zip(times, before)]
+            learned["measured_ms"] = times
+            learned["measured_speedup"] = times[0] / times[1]
         elif before is not None:
-            learned["measured_speedup"] = before
+            learned["measured_ms"] = before
+            learned["measured_speedup"] = prior.get("measured_speedup")
         self.learned = learned
         return learned
 
@@ -725,14 +733,17 @@ class AutoBudget:
                            sum(ratios.values()) / len(ratios) if ratios else 1.0)
         return profile.round_ms[bucket] * ratio
 
-    def observe_generation(self, loop_ms: float, rounds_needed: Sequence[int]) -> None:
-        """At the end of a generation of the auto loop: its rounds took `loop_ms`; request r
-        emitted rounds_needed[r] tokens after its first, so autoregressive decoding would have
-        run max(rounds_needed) rounds, at each the power-of-two batch size of the requests still
-        live (finished ones leave). Their estimated time over loop_ms is the speed-up drafting
-        really brought (`measured_speedup`), whatever the estimates said. Not under tensor
-        parallelism (learn_costs off): each rank's clock would decide differently."""
-        self.measured_speedup = None
+    def observe_generation(self, loop_ms: float, rounds_needed: Sequence[int],
+                           prefill_ms: float = 0.0) -> None:
+        """At the end of a generation of the auto loop: its rounds took `loop_ms` (the drafter's
+        prompt pass included) after a prefill of `prefill_ms`; request r emitted
+        rounds_needed[r] tokens after its first, so autoregressive decoding would have run
+        max(rounds_needed) rounds, at each the power-of-two batch size of the requests still
+        live (finished ones leave). That time and the prefill (`measured_ms`: plain, this
+        generation) against the generation's is the speed-up drafting really brought
+        (`measured_speedup`), whatever the estimates said. Not under tensor parallelism
+        (learn_costs off): each rank's clock would decide differently."""
+        self.measured_speedup = self.measured_ms = None
         # A re-check that went plain after its first round (plain_rest) measured plain decoding
         # plus one probe, with no autoregressive round of the auto loop timed: nothing to learn.
         if not self.learn_costs or loop_ms <= 0 or self.plain_rest:
@@ -744,7 +755,9 @@ class AutoBudget:
             while needed[len(rounds_needed) - live] <= t:  # requests done before round t
                 live -= 1
             plain_ms += round_ms[next(s for s in sizes if s >= min(live, self.initial_batch))]
-        self.measured_speedup = plain_ms / loop_ms if plain_ms > 0 else None
+        if plain_ms > 0:
+            self.measured_ms = [plain_ms + prefill_ms, loop_ms + prefill_ms]
+            self.measured_speedup = self.measured_ms[0] / self.measured_ms[1]
 
     def rate(self, bucket: int, tokens: float) -> float:
         """Tokens per millisecond of a round of `bucket` emitting `tokens`."""

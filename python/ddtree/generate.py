@@ -701,6 +701,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     bonus = sampler.first_token(last)
     requests = _Requests(bonus.tolist(), max_new_tokens, set(int(t) for t in stops),
                          streamer, device)
+    prefilled = time.perf_counter()  # the prefill's tokens were read: it is done
     draft = _NoDrafter() if mode == "autoregressive" else \
         drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
     budget_t = torch.tensor(budgets, device=device)
@@ -711,7 +712,6 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                             f"context of autoregressive rounds); {type(draft).__name__} has none")
         policy.start(batch, depth, device)
         auto = _AutoRounds(policy, device, shard, depth)
-        loop_started = time.perf_counter()
         with validation(False):
             while not requests.all_finished() and not getattr(policy, "plain_rest", False):
                 committed_len, bonus = auto.round(clock, draft, verifier, sampler, requests,
@@ -730,12 +730,13 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                               lambda budgets: _tree_builder("autoregressive", 0, budgets, shard),
                               0)
                 policy.record_plain_rest(len(clock.round_starts) - rounds)
-        loop_ms = 1e3 * (time.perf_counter() - loop_started)
+        loop_ms = 1e3 * (time.perf_counter() - prefilled)  # the drafter's prompt pass included
         warmup_rounds = 2 if cuda_graph else 1
         results = requests.results(time.perf_counter() - started, clock.totals(),
                                    clock.elapsed_before(warmup_rounds, started), warmup_rounds)
         if hasattr(policy, "observe_generation"):  # tokens after the first: a plain round each
-            policy.observe_generation(loop_ms, [len(r.tokens) - 1 for r in results])
+            policy.observe_generation(loop_ms, [len(r.tokens) - 1 for r in results],
+                                      prefill_ms=1e3 * (prefilled - started))
         if hasattr(policy, "finish"):
             policy.finish(auto.calibration.sums.tolist())
             cost_aware.remember(policy)
