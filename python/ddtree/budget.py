@@ -610,13 +610,13 @@ class AutoBudget:
         generations at this batch size put every tree below `plain_margin` of an
         autoregressive round, or when earlier drafting generations at this batch size were
         measured slower than autoregressive decoding would have been (observe_generation: the
-        outcome, whatever the estimates said; a running mean over about the last
-        `plain_evidence` requests, finish); before that many requests were learned from at this
-        batch size, when drafting was measured so at another batch size where no tree costs
-        relatively more than here (slower_elsewhere). A single request's gains swing with its prompt
-        (tree 16 on the held-out prompts: 1.4 to 8.6 tokens a round), so at batch 1 one
-        generation says little about the next and probes decide instead; a batch's estimate
-        averages its requests, and a few batches' the more.
+        outcome, whatever the estimates said; over about the last `plain_evidence` requests,
+        finish); before that many requests were learned from at this batch size, when drafting
+        was measured so at another batch size where no tree costs relatively more than here
+        (slower_elsewhere). A single request's gains swing with its prompt (tree 16 on the
+        held-out prompts: 1.4 to 8.6 tokens a round), so at batch 1 one generation says little
+        about the next and probes decide instead; a batch's estimate averages its requests, and
+        a few batches' the more.
         After refresh_after() such generations one re-checks (`rechecking`): its first round
         drafts, and unless that round pays the rest of it runs as plain autoregressive rounds
         (`plain_rest`: no drafter, no auto-loop bookkeeping) and the plain generations before
