@@ -498,6 +498,9 @@ class AutoBudget:
     # Cost profiles of the smaller batch sizes the batch can shrink to (finished requests leave
     # it): batch -> profile. A size without one keeps the current profile.
     smaller: Dict[int, CostProfile] = field(default_factory=dict)
+    # What drafting generations measured at other batch sizes (batch -> OUTCOME keys of their
+    # learned state; auto_policy fills it): slower_elsewhere.
+    other_sizes: Dict[int, dict] = field(default_factory=dict)
     # What earlier generations learned (expected tokens per request per bucket, calibration
     # sums, measured cost ratios, plain generations in a row): a new generation starts from it
     # (auto_policy keeps it per target, drafter and batch size; the calibration sums per target
@@ -633,7 +636,7 @@ class AutoBudget:
             if learned and max(self.rate(b, e) for b, e in zip(self.buckets, learned)
                                if b > 0) < self.plain_margin * self.rate(0, 1.0):
                 reason = "learned expected gains: no tree comes close to paying"
-            elif prior.get("measured_speedup", math.inf) < 1.0:
+            elif self._measured_slower(prior):
                 reason = ("measured: drafting generations at this batch size took longer than "
                           "autoregressive decoding would have")
         elif batch >= self.plain_min_batch:
@@ -657,20 +660,23 @@ class AutoBudget:
     def slower_elsewhere(self) -> Optional[int]:
         """A batch size measured slower than autoregressive decoding when drafting (a measured
         speed-up below 1 from at least plain_evidence requests) where no tree costs relatively
-        more than here (relative_costs, prior["other_sizes"]: what auto_policy found learned at
-        other batch sizes), or None. A request's expected gain does not depend on the batch
+        more than here (relative_costs, other_sizes), or None. A request's expected gain does not depend on the batch
         size, and a batch lasts until its slowest request is done, so drafting that did not pay
         there does not pay here either: a new batch size does not spend its first generations
         learning so."""
         here = self.relative_costs()
-        for size, other in sorted(((self.prior or {}).get("other_sizes") or {}).items()):
+        for size, other in sorted(self.other_sizes.items()):
             there = other.get("relative_costs")
-            if other.get("evidence_requests", 0) >= self.plain_evidence and \
-                    other.get("measured_speedup", math.inf) < 1.0 and \
-                    there and len(there) == len(here) and \
+            if self._measured_slower(other) and there and len(there) == len(here) and \
                     all(h >= t for b, h, t in zip(self.buckets, here, there) if b > 0):
                 return size
         return None
+
+    def _measured_slower(self, learned: dict) -> bool:
+        """Whether a batch size's learned state holds drafting measured slower than
+        autoregressive decoding, from at least plain_evidence requests."""
+        return learned.get("evidence_requests", 0) >= self.plain_evidence and \
+            learned.get("measured_speedup", math.inf) < 1.0
 
     RECHECK_FAILED = "re-check: drafting still does not pay"
 
@@ -688,7 +694,7 @@ class AutoBudget:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
         self.choices += [0] * rounds
         self.reasons += [self.plain_reason] * rounds
-        self.learned = {k: v for k, v in (self.prior or {}).items() if k != "other_sizes"}
+        self.learned = dict(self.prior or {})
         self.learned["plain_runs"] = self.learned.get("plain_runs", 0) + 1
 
     def resize(self, batch: int) -> None:
@@ -962,12 +968,11 @@ def auto_policy(target, drafter, batch: int, profile=None) -> AutoBudget:
                        if d == id(drafter) and isinstance(size, int) and size != batch}
     if calibration is not None:  # the drafter's confidence does not depend on the batch size
         prior = {**(prior or {}), "calibration": calibration}
-    if other_sizes:  # what drafting measured at other batch sizes (AutoBudget.slower_elsewhere)
-        prior = {**(prior or {}), "other_sizes": other_sizes}
     # Under tensor parallelism every rank must take the same bucket each round: round times
     # measured on each rank would differ, so the shared profile is used as measured.
     policy = AutoBudget(_shared(main), prior=prior, learn_costs=_world_size() == 1,
-                        smaller={b: _shared(p) for b, p in smaller.items()})
+                        smaller={b: _shared(p) for b, p in smaller.items()},
+                        other_sizes=other_sizes)
     policy.memory_key = (target, id(drafter), batch)
     return policy
 
