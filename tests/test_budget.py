@@ -668,6 +668,34 @@ def test_tree_buckets_share_one_measured_cost_ratio():
         policy.cost(b) for b in (4, 8, 16, 32, 64))
 
 
+def test_a_kind_of_round_that_does_not_run_follows_the_drift_of_the_other():
+    """The machine's speed drifts for every round alike: while only drafted rounds run (drafting
+    pays), the autoregressive rounds' cost — what plain decoding is priced at, in the choice
+    and in the measured speed-up — follows them instead of staying where a slow spell left it
+    (most of the way: a lasting deviation of one kind is mostly, not wholly, the machine's);
+    both kinds' own times, interleaved, settle how they stand to each other."""
+    costs = profile({0: 10.0, 4: 12.0, 8: 13.0, 16: 14.0, 32: 15.0, 64: 16.0})
+    policy = cost_aware.AutoBudget(costs, cost_smoothing=0.5)
+    policy.start(1, 15, "cpu")
+    policy.observe_cost(0, 20.0)  # a slow spell: twice the profile
+    policy.observe_cost(16, 28.0)
+    for _ in range(12):
+        policy.observe_cost(16, 14.0)  # the spell is over; only drafted rounds run
+    assert policy.cost(16) == pytest.approx(14.0, rel=0.01)
+    assert 10.0 <= policy.cost(0) < 11.0  # not the spell's 20
+    # Both kinds interleaved, autoregressive rounds dearer than the profile's relation.
+    for _ in range(80):
+        policy.observe_cost(0, 12.0)
+        policy.observe_cost(16, 14.0)
+    assert policy.cost(0) == pytest.approx(12.0, rel=0.02)
+    assert policy.cost(16) == pytest.approx(14.0, rel=0.02)
+    # ... and that relation holds through the next drift.
+    for _ in range(12):
+        policy.observe_cost(32, 30.0)
+    assert policy.cost(32) == pytest.approx(30.0, rel=0.01)
+    assert 22.0 <= policy.cost(0) <= 24.0
+
+
 def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
     """Finished requests leave the batch: the policy switches to the smaller batch size's cost
     profile (trees that did not pay at batch 4 pay at batch 1); a size without a profile keeps
@@ -687,8 +715,8 @@ def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
     policy.resize(1)
     assert policy.profile is at1
     assert policy.cost(0) == 20.0 and policy.cost(4) == 22.0  # the batch-4 ratio stands in
-    policy.observe_cost(0, 10.0)
-    assert policy.cost(0) == pytest.approx(17.5)
+    policy.observe_cost(0, 10.0)  # at batch 1, the profile's: the ratio moves towards 1
+    assert 15.0 < policy.cost(0) < 20.0
     policy.cost_ratios[1] = {}
     assert policy.choose() == 4  # per request: 2 tokens in 11 ms > 1 token in 10 ms
 
@@ -855,9 +883,13 @@ def test_round_costs_follow_the_measured_round_times():
         def observe_cost(self, bucket, ms):
             seen.append((len(self.choices) - 1, bucket, ms))
 
-    rec = Recording([0, 4, 4, 0, 16, 4, 16, 16, 0])
+    rec = Recording([0, 4, 4, 0, 0, 16, 4, 16, 16, 0, 0])
     generate_batch(target, drafter, PROMPTS[:2], 24, budget="auto", policy=rec)
     assert seen and all(ms > 0 for _, _, ms in seen)
     for i, bucket, _ in seen:
         assert i > 0 and bucket in rec.choices[:i]
         assert bucket == 0 or sum(1 for b in rec.choices[: i + 1] if b) > 2
+        # An autoregressive round right after a drafted one also writes the drafter's context:
+        # not a plain decoding step's time.
+        assert bucket or rec.choices[i - 1] == 0
+    assert (4, 0) in [(i, b) for i, b, _ in seen] and (3, 0) not in [(i, b) for i, b, _ in seen]

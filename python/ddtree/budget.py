@@ -467,10 +467,12 @@ class AutoBudget:
     # Round costs corrected by the rounds' own wall time (observe_cost): the profile is measured
     # on short contexts at one moment; real rounds run on other contexts and a machine whose
     # speed drifts. cost(b) = profile cost * a running ratio of measured to profiled time, one
-    # ratio for autoregressive rounds and one shared by every tree bucket (`_kind`). Off under
-    # tensor parallelism (auto_policy): each rank's clock would choose differently.
+    # ratio for autoregressive rounds and one shared by every tree bucket (`_kind`); a round
+    # moves both by the machine's drift, its own also by the kinds' relation (observe_cost).
+    # Off under tensor parallelism (auto_policy): each rank's clock would choose differently.
     learn_costs: bool = True
     cost_smoothing: float = 0.25
+    relation_smoothing: float = 0.05
     # A probe that does not pay costs its round minus an autoregressive one; the longest wait
     # grows past max_wait until that is at most this fraction of the wait's rounds.
     probe_overhead: float = 0.05
@@ -719,15 +721,27 @@ class AutoBudget:
 
     def observe_cost(self, bucket: int, ms: float) -> None:
         """The wall time of a round of `bucket` (the generate loop reports rounds without a
-        warm-up or graph capture in them): updates its kind's measured / profiled ratio."""
+        warm-up or graph capture in them): moves its kind's measured / profiled ratio towards
+        it. Two parts: the machine's speed, which drifts for every round alike (cost_smoothing,
+        applied to both kinds: one kind may not run for many generations — autoregressive
+        rounds where drafting pays, drafted ones where it does not — and must not keep the
+        price of a spell long gone), and how this kind's rounds stand to the other kind's
+        (relation_smoothing, this kind's alone, slow: a deviation that lasts is more likely the
+        machine than the relation)."""
         if not self.learn_costs or not ms > 0:
             return
         ratios = self.cost_ratios.setdefault(self.profile.batch, {})
         ratio = ms / max(1e-9, self.profile.round_ms[bucket])
         kind = self._kind(bucket)
         old = ratios.get(kind)
-        a = self.cost_smoothing
-        ratios[kind] = ratio if old is None else a * ratio + (1 - a) * old
+        if old is None:
+            ratios[kind] = ratio
+            return
+        deviation = ratio / old - 1.0
+        drift = 1.0 + self.cost_smoothing * deviation
+        for other in ratios:
+            ratios[other] *= drift
+        ratios[kind] *= 1.0 + self.relation_smoothing * deviation
 
     def cost(self, bucket: int, batch: Optional[int] = None) -> float:
         """Milliseconds of a round of `bucket` at the current batch size (or `batch`, one with a

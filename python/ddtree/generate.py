@@ -554,16 +554,20 @@ class _AutoRounds:
         # Rounds timed for the policy (observe_cost) leave out warm-ups: the generation's first
         # round, a bucket's first round at the current batch size (allocations, the verifier's
         # graph capture) and the first two drafted ones there (the drafter's prompt pass and
-        # graph capture).
+        # graph capture); and an autoregressive round right after a drafted one, which also
+        # writes that round's accepted rows into the drafter's context (catch_up: drafting's
+        # cost, not a decoding step's — plain decoding is priced from these rounds).
         self.warm: set = set()
         self.rounds = self.drafted = 0
+        self.last = None  # the bucket of the round before
 
     def resized(self) -> None:
         self.warm, self.drafted = set(), 0
 
     def _timed(self, bucket: int) -> bool:
         """Whether the round just run (counted) is timed."""
-        return self.rounds > 1 and bucket in self.warm and (bucket == 0 or self.drafted > 2)
+        return self.rounds > 1 and bucket in self.warm and \
+            (self.drafted > 2 if bucket else self.last == 0)
 
     def round(self, clock, draft, verifier, sampler, requests, committed_len, bonus):
         bucket = self.policy.choose()
@@ -616,6 +620,7 @@ class _AutoRounds:
         if self._timed(bucket) and hasattr(self.policy, "observe_cost"):
             self.policy.observe_cost(bucket, 1e3 * (time.perf_counter() - clock.round_starts[-1]))
         self.warm.add(bucket)
+        self.last = bucket
         self.policy.observe(stats)
         clock.mark()
         return committed_len + verdict.accept_len, verdict.bonus
