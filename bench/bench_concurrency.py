@@ -1,12 +1,13 @@
 """Tokens per second against batch size on the embedded pair: autoregressive, DFlash chain, DDTree
 at fixed budgets and budget="auto", median and spread over the repeats (modes interleaved per
 group of requests, the order alternating, the fast modes twice in a palindrome and
-autoregressive / auto at least 4 times a batch size; ratios paired per repeat, then their
+autoregressive / auto at least 8 times a batch size; ratios paired per repeat, then their
 median); every
 mode checked token-for-token against autoregressive; auto's chosen budget per round as a
 histogram per batch size, its calibrated predicted vs observed tokens per round, and a record
 of each of its generations (drafted request-rounds, rounds per choice and reason, measured
-speed-up).
+speed-up, the plain decoding time it estimated next to the same requests' real autoregressive
+time).
 
   python bench/bench_concurrency.py [--batches 1 2 4 16 32] [--requests 16] [--new-tokens 96]
                                     [--repeats 3] [--json F] [--plot F] [--device cpu|cuda]
@@ -41,7 +42,9 @@ from ddtree.generate import generate_batch
 MODES = [("autoregressive", None), ("tree", "auto"), ("chain", None), ("tree", 8), ("tree", 16),
          ("tree", 64), ("tree", 256)]
 FAST = 5  # MODES[:FAST] run twice per group, in a palindrome (schedule)
-PAIRS_PER_BATCH = 4  # autoregressive / auto runs of each at least, per batch size and repeat
+# Autoregressive / auto runs of each at least, per batch size and repeat: where auto runs plain
+# its ratio is the benchmark's own noise (same code path), about +-4 % a repeat with 4 on this VM.
+PAIRS_PER_BATCH = 8
 
 
 def schedule(flip: bool, groups: int):
@@ -75,13 +78,16 @@ def run_group(target, drafter, group, mode, budget, new_tokens, profile):
 def generation_record(results, policy) -> dict:
     """What one auto generation did and why: its drafted request-rounds, its rounds per choice
     and reason ("bucket: reason", AutoBudget.choices / reasons: the per-round choice, a probe, a
-    re-check, a plain generation's rule) and the speed-up it measured (None when it measured
-    none)."""
+    re-check, a plain generation's rule), the speed-up it measured and the time it estimated
+    plain decoding would have taken (None when it measured none; main adds the group's real
+    autoregressive time next to it)."""
     rounds = Counter(f"{b}: {reason}" for b, reason in zip(policy.choices, policy.reasons))
     speedup = getattr(policy, "measured_speedup", None)
+    times = getattr(policy, "measured_ms", None)
     return dict(drafted_request_rounds=sum(b > 0 for r in results for b in r.round_budgets),
                 rounds_by_choice=dict(rounds),
-                measured_speedup=None if speedup is None else round(speedup, 4))
+                measured_speedup=None if speedup is None else round(speedup, 4),
+                plain_estimate_ms=None if times is None else round(times[0], 1))
 
 
 def main():
@@ -128,7 +134,7 @@ def main():
             for g, group in enumerate(groups):
                 # Modes interleaved per group of requests, the order alternating: the VM's slow
                 # drifts hit every mode alike.
-                done = {}
+                done, records, ar_seconds = {}, [], []
                 for mode, budget in schedule((rep + g) % 2 == 1, len(groups)):
                     name = label(mode, budget)
                     results, seconds, policy = run_group(target, drafter, group, mode, budget,
@@ -139,9 +145,11 @@ def main():
                     if done.setdefault(name, tokens) != tokens:
                         raise SystemExit(f"bench_concurrency: {name} at batch {batch} gave "
                                          f"other tokens on a later run")
+                    if mode == "autoregressive":
+                        ar_seconds.append(seconds)
                     if budget == "auto":
-                        generations.setdefault(batch, []).append(
-                            generation_record(results, policy))
+                        records.append(generation_record(results, policy))
+                        generations.setdefault(batch, []).append(records[-1])
                         chosen.setdefault(batch, []).extend(
                             b for r in results for b in r.round_budgets)
                         drafted = [(p, n) for r in results for p, n, b in zip(
@@ -150,6 +158,10 @@ def main():
                         cal[0] += sum(p for p, _ in drafted)
                         cal[1] += sum(n for _, n in drafted)
                         cal[2] += len(drafted)
+                # The plain decoding time auto estimated (measured speed-up's numerator) next
+                # to the real one: the same requests' autoregressive generations.
+                for record in records:
+                    record["autoregressive_ms"] = round(1e3 * statistics.mean(ar_seconds), 1)
                 for name, tokens in done.items():
                     outputs[name] += tokens
             for name, (tokens, seconds) in totals.items():
@@ -188,6 +200,10 @@ def main():
                 row["predicted_tokens_per_drafted_round"] = p / n if n else None
                 row["observed_tokens_per_drafted_round"] = o / n if n else None
                 row["generations"] = generations[batch]
+                estimates = [g["plain_estimate_ms"] / g["autoregressive_ms"]
+                             for g in generations[batch] if g["plain_estimate_ms"]]
+                row["plain_estimate_vs_autoregressive"] = \
+                    statistics.median(estimates) if estimates else None
             rows.append(row)
     print(f"{'batch':>5} {'mode':<15} {'tok/s':>9} {'spread':>17} {'vs AR':>7}")
     for r in rows:
@@ -201,6 +217,9 @@ def main():
                           f"{r['observed_tokens_per_drafted_round']:.2f}")
             idle = [g for g in r["generations"] if not g["drafted_request_rounds"]]
             extra += f"; {len(idle)} of {len(r['generations'])} generations drafted no round"
+            if r["plain_estimate_vs_autoregressive"] is not None:
+                extra += (f"; plain decoding estimated at "
+                          f"{r['plain_estimate_vs_autoregressive']:.2f}x its real time")
         print(f"{r['batch']:>5} {r['mode']:<15} {r['tokens_per_second']:>9.1f} "
               f"{r['min']:>8.1f}-{r['max']:<8.1f} {r['vs_autoregressive']:>6.2f}x{extra}")
     if args.json:

@@ -32,10 +32,10 @@ def test_concurrency_benchmark_runs_and_records_auto(tmp_path):
             assert row["vs_autoregressive"] == 1.0
         if row["mode"] != "tree auto":
             continue
-        # Two requests: two groups at batch 1 and one at batch 2, auto at least 4 times per
+        # Two requests: two groups at batch 1 and one at batch 2, auto at least 8 times per
         # batch size (PAIRS_PER_BATCH), each generation recorded in order.
         generations = row["generations"]
-        assert len(generations) >= 4
+        assert len(generations) >= 8
         if row["batch"] == 1:  # one request per generation: each round is a request-round
             for bucket, count in row["chosen_budgets"].items():
                 assert sum(n for g in generations for key, n in g["rounds_by_choice"].items()
@@ -44,3 +44,12 @@ def test_concurrency_benchmark_runs_and_records_auto(tmp_path):
         assert sum(g["drafted_request_rounds"] for g in generations) == drafted
         assert all(g["measured_speedup"] is None or g["measured_speedup"] > 0
                    for g in generations)
+        # The plain decoding time it estimated, next to the same requests' real one.
+        assert all((g["plain_estimate_ms"] is None) == (g["measured_speedup"] is None)
+                   and g["autoregressive_ms"] > 0 for g in generations)
+        estimates = [g["plain_estimate_ms"] / g["autoregressive_ms"] for g in generations
+                     if g["plain_estimate_ms"] is not None]
+        assert row["plain_estimate_vs_autoregressive"] == (
+            pytest.approx(sorted(estimates)[len(estimates) // 2]) if len(estimates) % 2 else
+            pytest.approx(sum(sorted(estimates)[len(estimates) // 2 - 1:][:2]) / 2)
+            if estimates else None)
