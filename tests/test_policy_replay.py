@@ -51,6 +51,40 @@ def test_recorded_drafts_match_the_drafter_and_the_loop():
         assert replayed.emitted == loop.acceptance_lengths
 
 
+def test_a_batched_replay_is_the_batched_loop(records):
+    """replay_batch at batch 4 (the stored drafts of the first 4 held-out prompts) against a
+    real generate_batch of tree 16 on those prompts: the same tokens per round over the batch,
+    and the same rounds at each verify batch size as finished requests leave (the loop's
+    round_batch_sizes), priced at that size's cost."""
+    target, drafter, tokenizer = embedded.load()
+    prompts = [tokenizer(t, return_tensors="pt").input_ids[0]
+               for t in embedded.heldout_prompts(4)]
+    new_tokens = len(records[0].emitted) + 1
+    loop = generate_batch(target, drafter, prompts, new_tokens, budget=16)
+    costs = {size: {b: float(size) for b in records[0].buckets} for size in (1, 2, 4)}
+    replayed = policy_replay.replay_batch(records[:4], costs, cost_aware.FixedBucket(16))
+    rounds = max(len(r.acceptance_lengths) for r in loop)
+    assert replayed.emitted == [sum(r.acceptance_lengths[i] for r in loop
+                                    if i < len(r.acceptance_lengths)) for i in range(rounds)]
+    longest = max(loop, key=lambda r: len(r.acceptance_lengths))
+    assert len(set(longest.round_batch_sizes)) > 1  # the batch shrank
+    assert replayed.ms == sum(longest.round_batch_sizes)
+
+
+def test_batched_replays_price_each_batch_size(records):
+    """speedups at batch 4: the records in generations of 4, auto and the fixed trees priced by
+    each batch size's costs (a dear verify at 4 and 2, a cheap one at 1: the fixed trees pay
+    only once a batch is down to its last request); a missing batch size is refused by
+    name."""
+    cheap, dear = REGIMES["cheap verify"], REGIMES["dear verify"]
+    speed = policy_replay.speedups(records, {4: dear, 2: dear, 1: cheap}, batch=4)
+    alone = policy_replay.speedups(records, {4: dear, 2: dear, 1: dear}, batch=4)
+    assert speed["tree 16"] > alone["tree 16"] and alone["tree 16"] < 1.0
+    assert speed["auto"] >= 1.0 - cost_aware.AutoBudget.probe_overhead, speed
+    with pytest.raises(ValueError, match="batch sizes"):
+        policy_replay.speedups(records, {4: dear, 1: cheap}, batch=4)
+
+
 def test_replay_records_a_tiny_pair():
     """record_drafts on a tiny random pair: one row per position, 1 token for bucket 0, at most
     1 + min(bucket, depth) for the others, expected nodes non-decreasing in the bucket among
@@ -102,7 +136,7 @@ def test_auto_keeps_its_goals_with_a_noisy_clock(records):
     costs = REGIMES["measured"]
     for seed in range(3):
         speed = policy_replay.speedups(records, costs,
-                                       clock=policy_replay.JitteredClock(costs, seed))
+                                       clock=policy_replay.JitteredClock(seed))
         best = max(v for k, v in speed.items() if k.startswith("tree"))
         assert speed["auto"] >= max(1.0, 0.95 * best), (seed, speed)
 
@@ -134,6 +168,31 @@ def test_command_line_records_from_a_given_prompt_and_replays_stored_records(tmp
     for costs_arg in ("[1, 2]", '{"0": 1.0, "4": 2.0}'):
         with pytest.raises(SystemExit):
             policy_replay.main(["--records", str(DATA), "--costs", costs_arg])
+        assert "--costs" in capsys.readouterr().err
+    # --batch 4: generations of 4 records, a cost table per batch size (4, 2 and 1).
+    tables = {n: REGIMES["dear verify" if n > 1 else "measured"] for n in (1, 2, 4)}
+    tables_json = json.dumps({str(n): {str(b): ms for b, ms in t.items()}
+                              for n, t in tables.items()})
+    assert policy_replay.main(["--records", str(DATA), "--costs", tables_json,
+                               "--batch", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert f"auto  {policy_replay.speedups(records, tables, batch=4)['auto']:.3f}x" in printed
+    assert "round cost (ms), batch 2: 0: 10.00" in printed
+    # ... or the cost profiles of a bench_concurrency.py JSON.
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"profiles": {str(n): {"batch": n, "round_ms": {
+        str(b): ms for b, ms in t.items()}} for n, t in tables.items()}}))
+    assert policy_replay.main(["--records", str(DATA), "--profiles", str(bench),
+                               "--batch", "4"]) == 0
+    assert capsys.readouterr().out == printed
+    for bad in (tmp_path / "missing.json", DATA):
+        with pytest.raises(SystemExit):
+            policy_replay.main(["--records", str(DATA), "--profiles", str(bad), "--batch", "4"])
+        assert "--profiles" in capsys.readouterr().err
+    without_2 = json.dumps({n: v for n, v in json.loads(tables_json).items() if n != "2"})
+    for costs_arg in (costs_json, without_2):
+        with pytest.raises(SystemExit):
+            policy_replay.main(["--records", str(DATA), "--costs", costs_arg, "--batch", "4"])
         assert "--costs" in capsys.readouterr().err
     monkeypatch.undo()
     count = len(embedded.heldout_prompts(1000))

@@ -116,129 +116,182 @@ class Replayed:
 
 def replay(record: DraftRecord, costs: Dict[int, float], policy,
            calibration: Optional[cost_aware.Calibration] = None,
-           clock: Optional[Callable[[int], float]] = None) -> Replayed:
+           clock: Optional[Callable[[float], float]] = None) -> Replayed:
+    """One request's generation (replay_batch at batch 1, priced at `costs`)."""
+    return replay_batch([record], {1: costs}, policy, calibration, clock)
+
+
+def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, float]], policy,
+                 calibration: Optional[cost_aware.Calibration] = None,
+                 clock: Optional[Callable[[float], float]] = None) -> Replayed:
     """Runs `policy` (AutoBudget, FixedBucket or anything with choose / observe) over the
-    record's positions as the auto loop would at batch 1: the round's bucket from the policy; a
-    drafted round's calibrated expected tokens (1 + nodes x calibration ratio; the steady ratio,
-    and the round position's for its own prediction) for every bucket as its statistics, the
-    round position's calibration updated with the verified bucket's prediction and what it
-    emitted (as live, a round of a bucket shallower than the drafter's depth measures only the
-    buckets no deeper than it); remaining tokens before each choice. Rounds are priced at
-    `costs`; the policy is told clock(bucket) as each round's wall time (default: its cost;
-    JitteredClock: a machine whose speed drifts). The record's positions bound the generation
-    (new_tokens of record_drafts)."""
-    buckets = record.buckets
+    records' positions as the auto loop would with one request per record (greedy decoding:
+    a request's drafts depend on its own tokens alone): each round's bucket from the policy,
+    every live request advancing by what a round of that bucket emits at its position; a
+    drafted round's calibrated expected tokens (1 + nodes x calibration ratio; the steady
+    ratio, and the round position's for its own prediction) per request and bucket as its
+    statistics, the round position's calibration updated with each live request's verified
+    bucket's prediction and what it emitted (as live, a round of a bucket shallower than the
+    drafter's depth measures only the buckets no deeper than it); remaining tokens before each
+    choice; finished requests leave the batch as the loop's do (the live ones padded to a power
+    of two, policy.resize). Rounds are priced at costs[batch size][bucket]; the policy is told
+    clock(cost) as each round's wall time (default: the cost; JitteredClock: a machine whose
+    speed drifts). The records' positions bound the generation (new_tokens of record_drafts).
+    Replayed.emitted: the tokens of all requests per round."""
+    buckets, depth = records[0].buckets, records[0].depth
     calibration = calibration or cost_aware.Calibration("cpu")
-    policy.start(1, record.depth, "cpu")
-    total = len(record.emitted) + 1
-    k, out = 1, Replayed([], [], 0.0)
+    policy.start(len(records), depth, "cpu")
+    total = [len(r.emitted) + 1 for r in records]
+    k, rows, out = [1] * len(records), list(range(len(records))), Replayed([], [], 0.0)
+
+    def remaining():
+        return {i: total[i] - k[i] for i in rows if k[i] < total[i]}
+
     if hasattr(policy, "observe_remaining"):
-        policy.observe_remaining({0: total - k})
-    while k < total:
+        policy.observe_remaining(remaining())
+    while any(k[i] < total[i] for i in rows):
         bucket = policy.choose()
         column = buckets.index(bucket)
+        live = [k[i] < total[i] for i in rows]
+        emitted = [records[i].emitted[k[i] - 1][column] if alive else 0
+                   for i, alive in zip(rows, live)]
         stats = None
-        n = record.emitted[k - 1][column]
         if bucket > 0:
-            nodes = torch.tensor([record.round_row(k, bucket)])
+            nodes = torch.tensor([records[i].round_row(k[i], bucket) if alive else
+                                  [0.0] * len(buckets) for i, alive in zip(rows, live)])
+            took_part = torch.tensor(live, dtype=nodes.dtype)
             position = cost_aware.Calibration.position(len(out.choices))
-            expected = calibration.expected_tokens(nodes)[0].tolist()
-            predicted = calibration.expected_tokens(nodes[0, column], position).item()
-            calibration.update(nodes[:, column], torch.tensor([n]), position)
+            per_row = [row if alive else [0.0] * len(buckets) for row, alive in
+                       zip(calibration.expected_tokens(nodes).tolist(), live)]
+            predicted = calibration.expected_tokens(nodes[:, column], position).tolist()
+            calibration.update(nodes[:, column], torch.tensor(emitted), position, took_part)
             stats = cost_aware.RoundStats(
-                expected=expected, live=1, predicted=[predicted], per_row=[expected],
-                requests=[0], observed=cost_aware.observed_buckets(
-                    buckets, min(bucket, record.depth), record.depth))
-        k += n
+                expected=[sum(col) for col in zip(*per_row)], live=sum(live),
+                predicted=predicted, per_row=per_row, requests=list(rows),
+                observed=cost_aware.observed_buckets(buckets, min(bucket, depth), depth))
+        for i, n in zip(rows, emitted):
+            k[i] += n
         out.choices.append(bucket)
-        out.emitted.append(n)
-        out.ms += costs[bucket]
+        out.emitted.append(sum(emitted))
+        cost = costs[len(rows)][bucket]
+        out.ms += cost
         if hasattr(policy, "observe_cost"):
-            policy.observe_cost(bucket, clock(bucket) if clock else costs[bucket])
+            policy.observe_cost(bucket, clock(cost) if clock else cost)
         if hasattr(policy, "observe_remaining"):
-            policy.observe_remaining({0: total - k} if k < total else {})
+            policy.observe_remaining(remaining())
         policy.observe(stats)
+        left = [i for i in rows if k[i] < total[i]]
+        size = 1 << max(len(left) - 1, 0).bit_length()
+        if left and size < len(rows):  # as generate's rows_to_keep
+            rows = sorted(left + [i for i in rows if k[i] >= total[i]][: size - len(left)])
+            if hasattr(policy, "resize"):
+                policy.resize(size)
     return out
 
 
 def replay_all(records: Sequence[DraftRecord], costs: Dict[int, float],
                make_policy: Callable[[Optional[dict]], object],
-               clock: Optional[Callable[[int], float]] = None) -> List[Replayed]:
-    """The records as consecutive generations, handled as generate_batch handles them:
-    make_policy(prior) builds each one's policy from what the one before learned (the
-    calibration's sums included); a generation its policy makes plain autoregressive
-    (plain_autoregressive) runs bucket 0 throughout; a drafting one reports its time
-    (observe_generation) before finish."""
+               clock: Optional[Callable[[float], float]] = None, batch: int = 1) -> List[Replayed]:
+    """The records as consecutive generations of `batch` requests each (batch 1: `costs` is
+    {bucket: ms}; else {batch size: {bucket: ms}} for the batch and every power of two below it),
+    handled as generate_batch handles them: make_policy(prior) builds each one's policy from
+    what the one before learned (the calibration's sums included); a generation its policy
+    makes plain autoregressive (plain_autoregressive) runs bucket 0 throughout; a drafting one
+    reports its time (observe_generation) before finish."""
+    table = _cost_table(costs, batch)
     learned, out = None, []
-    for record in records:
+    for start in range(0, len(records), batch):
+        group = records[start: start + batch]
         policy = make_policy(learned)
         if hasattr(policy, "plain_autoregressive") and \
-                policy.plain_autoregressive(1, record.depth):
-            out.append(replay(record, costs, cost_aware.FixedBucket(0)))
+                policy.plain_autoregressive(len(group), group[0].depth):
+            out.append(replay_batch(group, table, cost_aware.FixedBucket(0)))
             policy.record_autoregressive(len(out[-1].choices))
             learned = policy.learned
             continue
         prior = policy.calibration_prior() if hasattr(policy, "calibration_prior") else None
         calibration = cost_aware.Calibration("cpu", sums=prior)
-        out.append(replay(record, costs, policy, calibration, clock))
+        out.append(replay_batch(group, table, policy, calibration, clock))
         if hasattr(policy, "observe_generation"):
-            policy.observe_generation(out[-1].ms, [len(record.emitted)])
+            policy.observe_generation(out[-1].ms, [len(r.emitted) for r in group])
         learned = policy.finish(calibration.sums.tolist()) if hasattr(policy, "finish") else None
     return out
 
 
-def auto(costs: Dict[int, float], **kwargs) -> Callable[[Optional[dict]], object]:
-    """make_policy for replay_all: AutoBudget on `costs` (each round reports its exact cost, so
-    the learned cost ratios stay 1)."""
-    profile = cost_aware.CostProfile(batch=1, round_ms=dict(costs), target="replay",
-                                     drafter="replay", device="replay", dtype="replay",
-                                     version="replay")
-    return lambda prior: cost_aware.AutoBudget(profile, prior=prior, **kwargs)
+def _cost_table(costs, batch: int) -> Dict[int, Dict[int, float]]:
+    """{batch size: {bucket: ms}} from replay_all's `costs` at `batch`, checked."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"replay_all: batch must be an integer >= 1, got {batch!r}")
+    if batch == 1:
+        return {1: costs}
+    missing = [b for b in [batch, *cost_aware.shrink_sizes(batch)] if b not in costs]
+    if missing:
+        raise ValueError(f"replay_all: costs has no table for batch sizes {missing} (a batch of "
+                         f"{batch} needs its own and every power of two below it)")
+    return costs
+
+
+def _profile(batch: int, costs: Dict[int, float]) -> cost_aware.CostProfile:
+    return cost_aware.CostProfile(batch=batch, round_ms=dict(costs), target="replay",
+                                  drafter="replay", device="replay", dtype="replay",
+                                  version="replay")
+
+
+def auto(costs: Dict[int, float], batch: int = 1, **kwargs) -> Callable[[Optional[dict]], object]:
+    """make_policy for replay_all: AutoBudget on `costs` (as replay_all takes them for `batch`;
+    each round reports its exact cost, so the learned cost ratios stay 1)."""
+    table = _cost_table(costs, batch)
+    smaller = {b: _profile(b, table[b]) for b in cost_aware.shrink_sizes(batch)}
+    return lambda prior: cost_aware.AutoBudget(_profile(batch, table[batch]), prior=prior,
+                                               smaller=smaller, **kwargs)
 
 
 class JitteredClock:
-    """Round times of a noisy machine for replay's policy: cost x speed x jitter, the speed a
-    slow random walk (log steps of `drift`, pulled back towards 1, within [0.7, 1.5]: slow and
-    fast spells lasting many rounds) and the jitter independent per round (`jitter` standard
-    deviation). Seeded."""
+    """Round times of a noisy machine for replay's policy: a round's cost x speed x jitter, the
+    speed a slow random walk (log steps of `drift`, pulled back towards 1, within [0.7, 1.5]:
+    slow and fast spells lasting many rounds) and the jitter independent per round (`jitter`
+    standard deviation). Seeded."""
 
-    def __init__(self, costs: Dict[int, float], seed: int, drift: float = 0.03,
-                 jitter: float = 0.06):
+    def __init__(self, seed: int, drift: float = 0.03, jitter: float = 0.06):
         import random
 
-        self.costs, self.rng, self.speed = costs, random.Random(seed), 1.0
+        self.rng, self.speed = random.Random(seed), 1.0
         self.drift, self.jitter = drift, jitter
 
-    def __call__(self, bucket: int) -> float:
+    def __call__(self, ms: float) -> float:
         step = (1 + self.rng.gauss(0, self.drift)) * self.speed ** -0.05
         self.speed = min(1.5, max(0.7, self.speed * step))
-        return self.costs[bucket] * self.speed * (1 + self.rng.gauss(0, self.jitter))
+        return ms * self.speed * (1 + self.rng.gauss(0, self.jitter))
 
 
 def speedups(records: Sequence[DraftRecord], costs: Dict[int, float],
              make_policy: Optional[Callable] = None,
-             clock: Optional[Callable[[int], float]] = None) -> Dict[str, float]:
-    """Tokens per ms over autoregressive decoding's, all records together: 'auto' (make_policy,
-    default AutoBudget; told clock's round times), each fixed bucket ('tree N'), and 'best fixed
-    per prompt' (an oracle that knows each prompt's best fixed bucket in advance)."""
-    make_policy = make_policy or auto(costs)
-    fixed = {b: replay_all(records, costs, lambda prior, b=b: cost_aware.FixedBucket(b))
-             for b in records[0].buckets}
+             clock: Optional[Callable[[float], float]] = None, batch: int = 1) -> Dict[str, float]:
+    """Tokens per ms over autoregressive decoding's, all records together in generations of
+    `batch` requests (costs as replay_all takes them): 'auto' (make_policy, default AutoBudget;
+    told clock's round times), each fixed bucket ('tree N'), and 'best fixed per prompt' (an
+    oracle that knows each generation's best fixed bucket in advance)."""
+    make_policy = make_policy or auto(costs, batch)
+    fixed = {b: replay_all(records, costs, lambda prior, b=b: cost_aware.FixedBucket(b),
+                           batch=batch) for b in records[0].buckets}
     plain = sum(r.ms for r in fixed[0])
-    out = {"auto": plain / sum(r.ms for r in replay_all(records, costs, make_policy, clock))}
+    out = {"auto": plain / sum(r.ms for r in replay_all(records, costs, make_policy, clock,
+                                                        batch))}
     out.update({f"tree {b}": plain / sum(r.ms for r in runs) for b, runs in fixed.items() if b})
     out["best fixed per prompt"] = plain / sum(
-        min(fixed[b][i].ms for b in fixed) for i in range(len(records)))
+        min(fixed[b][i].ms for b in fixed) for i in range(len(fixed[0])))
     return out
 
 
 def main(argv=None) -> int:
     """python -m ddtree.policy_replay [--prompts 16] [--first 0] [--new-tokens 96] [--out F]
-    [--records F] [--costs JSON] [--noisy-clocks N]: records the embedded pair's drafts on
-    held-out prompts (the first --prompts from the --first-th: the data of
-    tests/test_policy_replay.py by default; --records F reads records --out wrote instead) and
-    prints the replayed speed-ups of auto and the fixed trees under a cost profile (default: the
-    batch-1 profile measured on this machine)."""
+    [--records F] [--costs JSON | --profiles F] [--batch 1] [--noisy-clocks N]: records the
+    embedded pair's drafts on held-out prompts (the first --prompts from the --first-th: the
+    data of tests/test_policy_replay.py by default; --records F reads records --out wrote
+    instead) and prints the replayed speed-ups of auto and the fixed trees, the records taken in generations
+    of --batch requests, under cost profiles (--costs: {bucket: ms} at batch 1, {batch size:
+    {bucket: ms}} for the batch and every power of two below it otherwise; --profiles: those a
+    bench_concurrency.py JSON holds; default: the profiles measured on this machine)."""
     import argparse
     import json
 
@@ -254,21 +307,49 @@ def main(argv=None) -> int:
                         help="replay the records of this JSON (as --out writes) instead")
     parser.add_argument("--costs", default=None,
                         help='JSON {"0": ms, "4": ms, ...}; default: calibrate batch 1 here')
+    parser.add_argument("--profiles", default=None,
+                        help="the costs: the cost profiles a bench_concurrency.py JSON holds")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="requests per generation (the records taken in order)")
     parser.add_argument("--noisy-clocks", type=int, default=0,
                         help="also replay auto told round times of N seeded JitteredClocks")
     args = parser.parse_args(argv)
-    if args.first < 0 or args.prompts < 1:
-        parser.error(f"--first must be >= 0 and --prompts >= 1, got {args.first} and "
-                     f"{args.prompts}")
+    if args.first < 0 or args.prompts < 1 or args.batch < 1:
+        parser.error(f"--first must be >= 0 and --prompts, --batch >= 1, got {args.first}, "
+                     f"{args.prompts} and {args.batch}")
+    sizes = [args.batch, *cost_aware.shrink_sizes(args.batch)]
     costs = None
+    if args.costs and args.profiles:
+        parser.error("--costs and --profiles: give one")
+    if args.profiles:
+        try:
+            with open(args.profiles) as f:
+                profiles = json.load(f)["profiles"]
+            tables = {int(n): {int(b): float(ms) for b, ms in p["round_ms"].items()}
+                      for n, p in profiles.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            parser.error(f"--profiles {args.profiles}: not a JSON with cost profiles as "
+                         f"bench_concurrency.py writes them ({type(e).__name__}: {e})")
+        if not set(sizes) <= set(tables):
+            parser.error(f"--profiles {args.profiles} has no profile of batch sizes "
+                         f"{sorted(set(sizes) - set(tables))}")
+        costs = tables[1] if args.batch == 1 else tables
     if args.costs:
         try:
-            costs = {int(k): float(v) for k, v in json.loads(args.costs).items()}
+            given = json.loads(args.costs)
+            costs = {int(k): float(v) for k, v in given.items()} if args.batch == 1 else \
+                {int(n): {int(k): float(v) for k, v in t.items()} for n, t in given.items()}
         except (ValueError, AttributeError, TypeError) as e:
-            parser.error(f'--costs must be a JSON object {{"0": ms, "4": ms, ...}}, got '
-                         f"{args.costs!r} ({type(e).__name__}: {e})")
+            shape = '{"0": ms, "4": ms, ...}' if args.batch == 1 else \
+                '{"batch size": {"0": ms, "4": ms, ...}, ...}'
+            parser.error(f"--costs must be a JSON object {shape}, got {args.costs!r} "
+                         f"({type(e).__name__}: {e})")
+        if args.batch > 1 and not set(sizes) <= set(costs):
+            parser.error(f"--costs has no table for batch sizes "
+                         f"{sorted(set(sizes) - set(costs))} (--batch {args.batch} needs "
+                         f"{sorted(sizes)})")
     # The pair is loaded only to record drafts or to measure the costs.
-    pair = embedded.load() if not (args.records and costs) else None
+    pair = embedded.load() if not (args.records and (costs or args.profiles)) else None
     if args.records:
         try:
             with open(args.records) as f:
@@ -291,16 +372,21 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(dict(pair="embedded", new_tokens=args.new_tokens,
                            records=[r.to_json() for r in records]), f, separators=(",", ":"))
-    missing = sorted(set(records[0].buckets) - set(costs or records[0].buckets))
+    tables = None if costs is None else {1: costs} if args.batch == 1 else costs
+    missing = sorted(set(records[0].buckets) - set.intersection(
+        *[set(tables[n]) for n in sizes])) if tables else []
     if missing:
         parser.error(f"--costs has no cost for budgets {missing} (the records' buckets: "
                      f"{records[0].buckets})")
-    costs = costs or cost_aware.calibrate(pair[0], pair[1], 1).round_ms
-    print("round cost (ms): " + ", ".join(f"{b}: {ms:.2f}" for b, ms in sorted(costs.items())))
-    for name, value in speedups(records, costs).items():
+    tables = tables or {n: cost_aware.calibrate(pair[0], pair[1], n).round_ms for n in sizes}
+    for n in sorted(sizes):
+        print(f"round cost (ms), batch {n}: " + ", ".join(
+            f"{b}: {ms:.2f}" for b, ms in sorted(tables[n].items())))
+    costs = tables[1] if args.batch == 1 else tables
+    for name, value in speedups(records, costs, batch=args.batch).items():
         print(f"{name:>22s}  {value:.3f}x autoregressive")
     for seed in range(args.noisy_clocks):
-        value = speedups(records, costs, clock=JitteredClock(costs, seed))["auto"]
+        value = speedups(records, costs, clock=JitteredClock(seed), batch=args.batch)["auto"]
         print(f"{'auto, noisy clock ' + str(seed):>22s}  {value:.3f}x autoregressive")
     return 0
 
