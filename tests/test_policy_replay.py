@@ -81,6 +81,11 @@ def test_batched_replays_price_each_batch_size(records):
     alone = policy_replay.speedups(records, {4: dear, 2: dear, 1: dear}, batch=4)
     assert speed["tree 16"] > alone["tree 16"] and alone["tree 16"] < 1.0
     assert speed["auto"] >= 1.0 - cost_aware.AutoBudget.probe_overhead, speed
+    # A (last, partial) generation of 3 requests is priced at batch 4's costs: autoregressive
+    # rounds keep all three live to the end.
+    partial = policy_replay.replay_batch(records[:3], {4: dear, 2: dear, 1: cheap},
+                                         cost_aware.FixedBucket(0))
+    assert partial.ms == pytest.approx(len(records[0].emitted) * dear[0])
     with pytest.raises(ValueError, match="batch sizes"):
         policy_replay.speedups(records, {4: dear, 1: cheap}, batch=4)
 

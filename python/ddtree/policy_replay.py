@@ -134,7 +134,8 @@ def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, floa
     bucket's prediction and what it emitted (as live, a round of a bucket shallower than the
     drafter's depth measures only the buckets no deeper than it); remaining tokens before each
     choice; finished requests leave the batch as the loop's do (the live ones padded to a power
-    of two, policy.resize). Rounds are priced at costs[batch size][bucket]; the policy is told
+    of two, policy.resize). Rounds are priced at costs[batch size][bucket] (a size without a
+    table: the smallest larger one's, e.g. a last, partial generation); the policy is told
     clock(cost) as each round's wall time (default: the cost; JitteredClock: a machine whose
     speed drifts). The records' positions bound the generation (new_tokens of record_drafts).
     Replayed.emitted: the tokens of all requests per round."""
@@ -173,7 +174,7 @@ def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, floa
             k[i] += n
         out.choices.append(bucket)
         out.emitted.append(sum(emitted))
-        cost = costs[len(rows)][bucket]
+        cost = costs[min(n for n in costs if n >= len(rows))][bucket]
         out.ms += cost
         if hasattr(policy, "observe_cost"):
             policy.observe_cost(bucket, clock(cost) if clock else cost)
