@@ -160,8 +160,9 @@ def main():
                         cal[2] += len(drafted)
                 # The plain decoding time auto estimated (measured speed-up's numerator) next
                 # to the real one: the same requests' autoregressive generations.
+                ar_ms = round(1e3 * statistics.mean(ar_seconds), 1)
                 for record in records:
-                    record["autoregressive_ms"] = round(1e3 * statistics.mean(ar_seconds), 1)
+                    record["autoregressive_ms"] = ar_ms
                 for name, tokens in done.items():
                     outputs[name] += tokens
             for name, (tokens, seconds) in totals.items():

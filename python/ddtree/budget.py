@@ -942,7 +942,7 @@ OUTCOME = ("measured_speedup", "evidence_requests", "relative_costs")
 
 def shrink_sizes(batch: int) -> List[int]:
     """The batch sizes a batch of `batch` requests can shrink to as requests finish: the powers
-    of two below it (generate's rows_to_keep)."""
+    of two below it (generate.kept_rows)."""
     return [1 << i for i in range(max(batch - 1, 0).bit_length()) if 1 << i < batch]
 
 

@@ -19,7 +19,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Protocol
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -376,6 +376,17 @@ def _check_request(target, drafter, prompts, max_new_tokens, mode, budget, tempe
     return prompts, budgets, is_hybrid, stops
 
 
+def kept_rows(done: Sequence[bool]) -> Optional[List[int]]:
+    """The rows of a smaller batch when requests have finished (done[i]: row i's): the live
+    rows, padded with finished ones up to the next power of two (one shape, one captured graph,
+    per bucket); None when nothing is live or that size is not smaller than the batch."""
+    live = [i for i, d in enumerate(done) if not d]
+    size = 1 << max(len(live) - 1, 0).bit_length()
+    if not live or size >= len(done):
+        return None
+    return sorted(live + [i for i, d in enumerate(done) if d][: size - len(live)])
+
+
 class _Requests:
     """Host-side bookkeeping: each request's tokens, round lengths, streaming and stop rule; the
     batch row of each request (rows[i] = the request in row i); and the device-side mirror, per
@@ -414,15 +425,8 @@ class _Requests:
         return {b: self.max_new - len(self.tokens[b]) for b in self.rows if not self.done[b]}
 
     def rows_to_keep(self) -> Optional[List[int]]:
-        """The rows of a smaller batch when requests have finished: the live rows, padded with
-        finished ones up to the next power of two (one shape, one captured graph, per bucket);
-        None when nothing is live or that bucket is not smaller than the batch."""
-        live = [i for i, b in enumerate(self.rows) if not self.done[b]]
-        size = 1 << max(len(live) - 1, 0).bit_length()
-        if not live or size >= len(self.rows):
-            return None
-        padding = [i for i, b in enumerate(self.rows) if self.done[b]][: size - len(live)]
-        return sorted(live + padding)
+        """kept_rows of the batch's rows."""
+        return kept_rows([self.done[b] for b in self.rows])
 
     def select(self, keep: List[int], index: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in keep]

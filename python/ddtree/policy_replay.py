@@ -19,6 +19,7 @@ import torch
 
 from . import budget as cost_aware
 from . import ops
+from .generate import generate_batch, kept_rows
 
 
 @dataclass
@@ -72,8 +73,6 @@ def record_drafts(target, drafter, prompt: torch.Tensor, new_tokens: int,
     build_tree makes the tree of the largest bucket (what an auto round builds) — a bucket
     shallower than the drafter's depth from its own block of bucket + 1 rows (what a round of
     that bucket drafts), every other bucket from the full block."""
-    from .generate import generate_batch
-
     depth = drafter.block_size - 1
     device = target.get_input_embeddings().weight.device
     prompt = prompt.reshape(-1).to(device)
@@ -181,12 +180,11 @@ def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, floa
         if hasattr(policy, "observe_remaining"):
             policy.observe_remaining(remaining())
         policy.observe(stats)
-        left = [i for i in rows if k[i] < total[i]]
-        size = 1 << max(len(left) - 1, 0).bit_length()
-        if left and size < len(rows):  # as generate's rows_to_keep
-            rows = sorted(left + [i for i in rows if k[i] >= total[i]][: size - len(left)])
+        keep = kept_rows([k[i] >= total[i] for i in rows])
+        if keep is not None:
+            rows = [rows[j] for j in keep]
             if hasattr(policy, "resize"):
-                policy.resize(size)
+                policy.resize(len(rows))
     return out
 
 
