@@ -78,14 +78,14 @@ def run_group(target, drafter, group, mode, budget, new_tokens, profile):
 def generation_record(results, policy) -> dict:
     """What one auto generation did and why: its drafted request-rounds, its rounds per choice
     and reason ("bucket: reason", AutoBudget.choices / reasons: the per-round choice, a probe, a
-    re-check, a plain generation's rule), the speed-up it measured and the time it estimated
-    plain decoding would have taken (None when it measured none; main adds the group's real
-    autoregressive time next to it)."""
+    plain generation's rule), whether it re-checked a batch size that ran plain, the speed-up it
+    measured and the time it estimated plain decoding would have taken (None when it measured
+    none; main adds the group's real autoregressive time next to it)."""
     rounds = Counter(f"{b}: {reason}" for b, reason in zip(policy.choices, policy.reasons))
     speedup = getattr(policy, "measured_speedup", None)
     times = getattr(policy, "measured_ms", None)
     return dict(drafted_request_rounds=sum(b > 0 for r in results for b in r.round_budgets),
-                rounds_by_choice=dict(rounds),
+                rounds_by_choice=dict(rounds), recheck=bool(getattr(policy, "rechecking", False)),
                 measured_speedup=None if speedup is None else round(speedup, 4),
                 plain_estimate_ms=None if times is None else round(times[0], 1))
 

@@ -44,6 +44,7 @@ def test_concurrency_benchmark_runs_and_records_auto(tmp_path):
         assert sum(g["drafted_request_rounds"] for g in generations) == drafted
         assert all(g["measured_speedup"] is None or g["measured_speedup"] > 0
                    for g in generations)
+        assert all(g["recheck"] in (True, False) for g in generations)
         # The plain decoding time it estimated, next to the same requests' real one.
         assert all((g["plain_estimate_ms"] is None) == (g["measured_speedup"] is None)
                    and g["autoregressive_ms"] > 0 for g in generations)

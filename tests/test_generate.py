@@ -643,16 +643,15 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive", "auto", "auto-recheck"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "autoregressive", "auto"])
 @pytest.mark.parametrize("tree_attention", [False, True], ids=["sdpa", "tree-attention"])
 def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
     """Every round of the loop (DFlash drafter, batch of 3 with a stop token and a streamer) reads
     from the device exactly once: Tensor.item / tolist / cpu / numpy / bool / int / float / index
     are counted between the round's first and last stage marks — budget="auto" included (its
     bucket choice, calibration and statistics ride on that read; autoregressive and drafted
-    rounds mixed), and a re-check that goes plain after its drafted first round. Inside the
-    rounds the ops' value checks are off; after the call they are back on."""
-    from ddtree import budget as cost_aware
+    rounds mixed). Inside the rounds the ops' value checks are off; after the call they are
+    back on."""
     from ddtree import hf
     from ddtree.generate import _StageClock, generate_batch
 
@@ -682,16 +681,8 @@ def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
     monkeypatch.setattr(_StageClock, "mark", mark)
     streamed = {0: [], 1: [], 2: []}
     stop = truths[1][9]
-    if mode == "auto-recheck":  # trees dear, weak learned gains, a re-check due
-        costs = cost_aware.CostProfile(
-            batch=3, round_ms={0: 10.0, 4: 20.0, 8: 22.0, 16: 25.0, 32: 40.0, 64: 80.0},
-            target="t", drafter="d", device="cpu", dtype="float32", version="test")
-        policy = cost_aware.AutoBudget(costs, learn_costs=False, prior={
-            "expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "evidence_requests": 8,
-            "plain_runs": cost_aware.AutoBudget.REFRESH_AFTER})
     budget = dict(mode="tree", budget="auto", policy=ScriptedBudgets([8, 0, 0, 16, 4, 0, 64])) \
-        if mode == "auto" else dict(mode="tree", budget="auto", policy=policy) \
-        if mode == "auto-recheck" else dict(mode=mode, budget=[16, 8, 24])
+        if mode == "auto" else dict(mode=mode, budget=[16, 8, 24])
     results = generate_batch(target, tiny_drafter(), PROMPTS, 20, stop_token_ids=[stop],
                              streamer=lambda b, new: streamed[b].extend(new), **budget)
     monkeypatch.undo()
@@ -701,8 +692,6 @@ def test_one_host_read_per_round(kind, mode, tree_attention, monkeypatch):
     assert len(rounds) >= 5 and all(len(m) == 5 for m in rounds)
     assert [m[-1] - m[0] for m in rounds] == [1] * len(rounds)
     assert not any(checks) and ddtree.validation_enabled()
-    if mode == "auto-recheck":
-        assert policy.plain_rest and policy.reasons[0] == "re-check" and len(rounds) > 2
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])

@@ -526,9 +526,8 @@ class AutoBudget:
             int(b): {int(k): v for k, v in r.items()}
             for b, r in ((self.prior or {}).get("cost_ratios") or {}).items()}
         # A re-check (plain_autoregressive: the generation after refresh_after() plain ones)
-        # drafts its first round; where that round does not pay, `plain_rest` is set and the
-        # loop runs the rest of the generation as plain autoregressive rounds.
-        self.rechecking = self.plain_rest = False
+        # runs as a drafting generation; finish() judges it on its own measured speed-up.
+        self.rechecking = False
         # Every batch size's profile: resize() replaces self.profile, cost(b, batch) still
         # prices the sizes the generation had.
         self.profiles = {p.batch: p for p in [*self.smaller.values(), self.profile] if p}
@@ -545,7 +544,6 @@ class AutoBudget:
         self.wait, self.since_draft = self.probe_after, 0
         self.by_request, self.remaining = {}, {}
         self.in_run = False  # the last round drafted for its gain, or was a probe that paid
-        self.plain_rest = False
         self.initial_batch, self.measured_speedup = self.profile.batch, None
         # The statistics are steady-state estimates; a round at an early position of the
         # generation expects its position's calibration instead (known from earlier generations).
@@ -557,15 +555,17 @@ class AutoBudget:
     def finish(self, calibration_sums: List[float]) -> dict:
         """At the end of a generation: what the next one may start from (the expected gains
         averaged with what earlier generations learned; a generation of fewer than
-        `learn_min_rounds` rounds, or a re-check that went plain after its first round
-        (plain_rest: one drafted round, no measured speed-up), leaves those gains, the measured
-        speed-up and the requests learned from as they were)."""
+        `learn_min_rounds` rounds leaves those gains, the measured speed-up and the requests
+        learned from as they were). A re-check's own measured speed-up replaces the learned one
+        (that one is older than the plain generations since, and is what the re-check tests);
+        where it is below 1, or none was measured, the plain generations before the next
+        re-check double (up to REFRESH_MAX)."""
         prior = self.prior or {}
         learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios,
                        relative_costs=self.relative_costs(self.initial_batch))
-        if self.plain_rest:
+        if self.rechecking and not (self.measured_speedup or 0.0) >= 1.0:
             learned["refresh_after"] = min(self.REFRESH_MAX, 2 * self.refresh_after())
-        if len(self.choices) < self.learn_min_rounds or self.plain_rest:
+        if len(self.choices) < self.learn_min_rounds:
             for key in ("expected_per_request", "measured_ms", "measured_speedup",
                         "evidence_requests"):
                 if prior.get(key) is not None:
@@ -582,7 +582,7 @@ class AutoBudget:
         # (this generation's weigh requests / (earlier ones, at most plain_evidence, +
         # requests)); a mean of per-generation ratios would run high where they spread.
         times = getattr(self, "measured_ms", None)
-        before = prior.get("measured_ms")
+        before = None if self.rechecking else prior.get("measured_ms")
         if times is not None:
             evidence = min(prior.get("evidence_requests", 0), self.plain_evidence)
             weight = self.requests / (evidence + self.requests)
@@ -622,11 +622,14 @@ class AutoBudget:
         held-out prompts: 1.4 to 8.6 tokens a round), so at batch 1 one generation says little
         about the next and probes decide instead; a batch's estimate averages its requests, and
         a few batches' the more.
-        After refresh_after() such generations one re-checks (`rechecking`): its first round
-        drafts, and unless that round pays the rest of it runs as plain autoregressive rounds
-        (`plain_rest`: no drafter, no auto-loop bookkeeping) and the plain generations before
-        the next re-check double (up to REFRESH_MAX: drafting that keeps not paying costs ever
-        fewer probes)."""
+        After refresh_after() such generations one re-checks (`rechecking`): it runs as a
+        drafting generation, its rounds chosen as any generation's, and its own measured
+        speed-up replaces the learned one (finish); where that is still below 1 the plain
+        generations before the next re-check double (up to REFRESH_MAX: drafting that keeps not
+        paying costs ever fewer re-checks). A re-check judged on its first drafted round alone
+        was tried: one round's per-request estimates are single drafts, and the batch is priced
+        by its least confident request, so it found drafting not paying where whole generations
+        measured it paying (docs/budgets.md)."""
         if self.never_drafts(depth):
             self.plain_reason = "no tree could pay even if every node were accepted"
             return True
@@ -680,17 +683,10 @@ class AutoBudget:
         return learned.get("evidence_requests", 0) >= self.plain_evidence and \
             learned.get("measured_speedup", math.inf) < 1.0
 
-    RECHECK_FAILED = "re-check: drafting still does not pay"
-
     def refresh_after(self) -> int:
         """Plain generations on learned gains before the next re-check: REFRESH_AFTER after a
         drafting generation, doubled by each re-check that did not pay since."""
         return (self.prior or {}).get("refresh_after", self.REFRESH_AFTER)
-
-    def record_plain_rest(self, rounds: int) -> None:
-        """The `rounds` plain autoregressive rounds that ended a re-check (plain_rest)."""
-        self.choices += [0] * rounds
-        self.reasons += [self.RECHECK_FAILED] * rounds
 
     def record_autoregressive(self, rounds: int) -> None:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
@@ -764,9 +760,7 @@ class AutoBudget:
         (`measured_speedup`), whatever the estimates said. Not under tensor parallelism
         (learn_costs off): each rank's clock would decide differently."""
         self.measured_speedup = self.measured_ms = None
-        # A re-check that went plain after its first round (plain_rest) measured plain decoding
-        # plus one probe, with no autoregressive round of the auto loop timed: nothing to learn.
-        if not self.learn_costs or loop_ms <= 0 or self.plain_rest:
+        if not self.learn_costs or loop_ms <= 0:
             return
         sizes = sorted(self.profiles)
         round_ms = {s: self.cost(0, s) for s in sizes}  # once per size, not per round
@@ -844,9 +838,7 @@ class AutoBudget:
             estimates = self._at_position(self._estimates(), len(self.choices))
             tree = self._best_tree(estimates)
             drafting = self.since_draft == 0 and self.in_run
-            if self.rechecking and not self.choices:
-                choice, why = tree, "re-check"
-            elif self._pays(tree, estimates, self.stay if drafting else self.hurdle):
+            if self._pays(tree, estimates, self.stay if drafting else self.hurdle):
                 choice, why = tree, "best expected tokens/s"
             elif self.since_draft >= max(self.wait, self._least_wait(tree)):
                 choice, why = tree, "probe"
@@ -904,13 +896,12 @@ class AutoBudget:
         if stats.live > 0:
             self.per_request = [a * new / stats.live + (1 - a) * old
                                 for new, old in zip(stats.expected, self.per_request)]
-        if self.reasons[-1] in ("probe", "re-check"):
+        if self.reasons[-1] == "probe":
             this_round = fresh if self.remaining and fresh else stats.expected
             paid = self._pays(self._best_tree(this_round), this_round)
             self.wait = self.probe_after if paid else \
                 min(self._longest_wait(self.choices[-1]), 2 * self.wait)
             self.in_run = paid
-            self.plain_rest = self.reasons[-1] == "re-check" and not paid
         else:
             self.in_run = True
         self.since_draft = 0

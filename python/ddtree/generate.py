@@ -722,7 +722,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
         policy.start(batch, depth, device)
         auto = _AutoRounds(policy, device, shard, depth)
         with validation(False):
-            while not requests.all_finished() and not getattr(policy, "plain_rest", False):
+            while not requests.all_finished():
                 committed_len, bonus = auto.round(clock, draft, verifier, sampler, requests,
                                                   committed_len, bonus)
                 kept = _leave_finished(requests, (draft, verifier, sampler))
@@ -731,14 +731,6 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                     auto.resized()
                     if hasattr(policy, "resize"):
                         policy.resize(kept.numel())
-            if not requests.all_finished():  # a re-check found drafting still does not pay
-                rounds = len(clock.round_starts)
-                verifier.want_hidden = False
-                _fixed_rounds(clock, _NoDrafter(), verifier, sampler, requests, committed_len,
-                              bonus, torch.zeros_like(committed_len),
-                              lambda budgets: _tree_builder("autoregressive", 0, budgets, shard),
-                              0)
-                policy.record_plain_rest(len(clock.round_starts) - rounds)
         loop_ms = 1e3 * (time.perf_counter() - prefilled)  # the drafter's prompt pass included
         warmup_rounds = 2 if cuda_graph else 1
         results = requests.results(time.perf_counter() - started, clock.totals(),
