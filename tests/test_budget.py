@@ -711,6 +711,26 @@ def test_a_kind_of_round_that_does_not_run_follows_the_drift_of_the_other():
     assert 22.0 <= policy.cost(0) <= 24.0
 
 
+def test_one_very_slow_round_moves_the_costs_a_bounded_step():
+    """A round measured far off its price (a collection pause, a page fault) moves the prices by
+    at most half its cost_smoothing, both kinds alike; a lasting change still takes a few rounds."""
+    costs = profile({0: 10.0, 4: 12.0, 8: 13.0, 16: 14.0, 32: 15.0, 64: 16.0})
+    policy = cost_aware.AutoBudget(costs)
+    policy.start(1, 15, "cpu")
+    policy.observe_cost(0, 10.0)
+    policy.observe_cost(16, 14.0)
+    policy.observe_cost(16, 140.0)  # ten times its price
+    step = 1 + 0.5 * policy.cost_smoothing
+    assert policy.cost(0) == pytest.approx(10.0 * step)
+    assert policy.cost(16) == pytest.approx(14.0 * step * (1 + 0.5 * policy.relation_smoothing))
+    policy.observe_cost(0, 1.0)  # a tenth
+    down = (1 - 0.5 * policy.cost_smoothing) * (1 - 0.5 * policy.relation_smoothing)
+    assert policy.cost(0) == pytest.approx(10.0 * step * down)
+    for _ in range(12):
+        policy.observe_cost(16, 28.0)  # the machine at half speed
+    assert policy.cost(16) == pytest.approx(28.0, rel=0.02)
+
+
 def test_a_shrinking_batch_is_priced_with_the_smaller_batch_costs():
     """Finished requests leave the batch: the policy switches to the smaller batch size's cost
     profile (trees that did not pay at batch 4 pay at batch 1); a size without a profile keeps

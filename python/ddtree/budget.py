@@ -723,7 +723,9 @@ class AutoBudget:
         rounds where drafting pays, drafted ones where it does not — and must not keep the
         price of a spell long gone), and how this kind's rounds stand to the other kind's
         (relation_smoothing, this kind's alone, slow: a deviation that lasts is more likely the
-        machine than the relation)."""
+        machine than the relation). One round's deviation counts at most +-50 %: a single round
+        far off (a collection pause) moves the prices a bounded step, a lasting change in a few
+        rounds."""
         if not self.learn_costs or not ms > 0:
             return
         ratios = self.cost_ratios.setdefault(self.profile.batch, {})
@@ -733,7 +735,7 @@ class AutoBudget:
         if old is None:
             ratios[kind] = ratio
             return
-        deviation = ratio / old - 1.0
+        deviation = min(max(ratio / old - 1.0, -0.5), 0.5)
         drift = 1.0 + self.cost_smoothing * deviation
         for other in ratios:
             ratios[other] *= drift
