@@ -575,9 +575,9 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     request's gains swing with its prompt): it starts autoregressive and probes after
     probe_after rounds. At batch >= 2 they do (a batch's estimate averages its requests) once
     plain_evidence requests were learned from, and every REFRESH_AFTER-th such generation
-    drafts again (a re-check, judged on its own measured speed-up). Costs at which no tree could pay even
-    with every node accepted — as profiled, or as earlier generations measured them — make any
-    generation plain."""
+    drafts again (a re-check, judged on its own measured speed-up). Costs at which no tree
+    could pay even with every node accepted — as profiled, or as earlier generations measured
+    them — make any generation plain."""
     weak = {"expected_per_request": [1.0, 1.1, 1.1, 1.2, 1.2, 1.2], "calibration": [1.0, 2.0],
             "evidence_requests": 8}
     target, drafter = tiny_target(seed=3), tiny_drafter()
