@@ -287,8 +287,8 @@ def main(argv=None) -> int:
     [--records F] [--costs JSON | --profiles F] [--batch 1] [--noisy-clocks N]: records the
     embedded pair's drafts on held-out prompts (the first --prompts from the --first-th: the
     data of tests/test_policy_replay.py by default; --records F reads records --out wrote
-    instead) and prints the replayed speed-ups of auto and the fixed trees, the records taken in generations
-    of --batch requests, under cost profiles (--costs: {bucket: ms} at batch 1, {batch size:
+    instead) and prints the replayed speed-ups of auto and the fixed trees, the records taken
+    in generations of --batch requests, under cost profiles (--costs: {bucket: ms} at batch 1, {batch size:
     {bucket: ms}} for the batch and every power of two below it otherwise; --profiles: those a
     bench_concurrency.py JSON holds; default: the profiles measured on this machine)."""
     import argparse
@@ -317,9 +317,10 @@ def main(argv=None) -> int:
         parser.error(f"--first must be >= 0 and --prompts, --batch >= 1, got {args.first}, "
                      f"{args.prompts} and {args.batch}")
     sizes = [args.batch, *cost_aware.shrink_sizes(args.batch)]
-    costs = None
     if args.costs and args.profiles:
         parser.error("--costs and --profiles: give one")
+    # The given costs as {batch size: {bucket: ms}} (None: measured here), and where from.
+    tables, source = None, "--profiles" if args.profiles else "--costs"
     if args.profiles:
         try:
             with open(args.profiles) as f:
@@ -329,26 +330,21 @@ def main(argv=None) -> int:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             parser.error(f"--profiles {args.profiles}: not a JSON with cost profiles as "
                          f"bench_concurrency.py writes them ({type(e).__name__}: {e})")
-        if not set(sizes) <= set(tables):
-            parser.error(f"--profiles {args.profiles} has no profile of batch sizes "
-                         f"{sorted(set(sizes) - set(tables))}")
-        costs = tables[1] if args.batch == 1 else tables
     if args.costs:
         try:
             given = json.loads(args.costs)
-            costs = {int(k): float(v) for k, v in given.items()} if args.batch == 1 else \
+            tables = {1: {int(k): float(v) for k, v in given.items()}} if args.batch == 1 else \
                 {int(n): {int(k): float(v) for k, v in t.items()} for n, t in given.items()}
         except (ValueError, AttributeError, TypeError) as e:
             shape = '{"0": ms, "4": ms, ...}' if args.batch == 1 else \
                 '{"batch size": {"0": ms, "4": ms, ...}, ...}'
             parser.error(f"--costs must be a JSON object {shape}, got {args.costs!r} "
                          f"({type(e).__name__}: {e})")
-        if args.batch > 1 and not set(sizes) <= set(costs):
-            parser.error(f"--costs has no table for batch sizes "
-                         f"{sorted(set(sizes) - set(costs))} (--batch {args.batch} needs "
-                         f"{sorted(sizes)})")
+    if tables is not None and not set(sizes) <= set(tables):
+        parser.error(f"{source} has no costs of batch sizes {sorted(set(sizes) - set(tables))} "
+                     f"(--batch {args.batch} needs {sorted(sizes)})")
     # The pair is loaded only to record drafts or to measure the costs.
-    pair = embedded.load() if not (args.records and (costs or args.profiles)) else None
+    pair = embedded.load() if not (args.records and tables) else None
     if args.records:
         try:
             with open(args.records) as f:
@@ -371,11 +367,10 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(dict(pair="embedded", new_tokens=args.new_tokens,
                            records=[r.to_json() for r in records]), f, separators=(",", ":"))
-    tables = None if costs is None else {1: costs} if args.batch == 1 else costs
     missing = sorted(set(records[0].buckets) - set.intersection(
         *[set(tables[n]) for n in sizes])) if tables else []
     if missing:
-        parser.error(f"--costs has no cost for budgets {missing} (the records' buckets: "
+        parser.error(f"{source} has no cost for budgets {missing} (the records' buckets: "
                      f"{records[0].buckets})")
     tables = tables or {n: cost_aware.calibrate(pair[0], pair[1], n).round_ms for n in sizes}
     for n in sorted(sizes):
