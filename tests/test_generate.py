@@ -453,17 +453,10 @@ def test_lossless_batch_on_the_tree_attention_implementation(mode, monkeypatch):
     assert got.tokens == truths[2][:12]
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and ddtree.has_cuda_kernels()),
-                    reason="needs a GPU and the CUDA build")
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_lossless_with_cuda_graph(kind):
-    """cuda_graph=True on the GPU: captured once, replayed every round, it emits exactly what the
-    same fixed-shape step run eagerly emits (same kernels; that path is lossless against greedy
-    decoding in fp32 on CPU, above). bf16 target, tree_attention kernel; for the hybrid also the
-    tree conv / GDN kernels inside the graph. Deep acceptances through an oracle drafter built
-    from greedy decoding."""
+def _graph_target(kind, device="cuda", dtype=torch.bfloat16):
+    """A tiny target the CUDA kernels take (head_dim 64; the hybrid's tree conv / GDN layers
+    too), on the tree_attention implementation."""
     from ddtree import hf
-    from ddtree.generate import generate_batch
 
     torch.manual_seed(0)
     if kind == "qwen3":
@@ -481,8 +474,33 @@ def test_lossless_with_cuda_graph(kind):
             num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
             linear_conv_kernel_dim=4, intermediate_size=256))
-    target = target.eval().to("cuda", torch.bfloat16)
+    target = target.eval().to(device, dtype)
     hf.use_tree_attention(target)
+    return target
+
+
+def _graph_drafter(device="cuda", dtype=torch.bfloat16):
+    """A DFlash drafter (block 8) whose step the fused draft_attention op runs (head_dim 64)."""
+    extra = {"mask_token_id": VOCAB - 1}
+    dcfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                              intermediate_size=256, block_size=8, num_target_layers=LAYERS,
+                              dflash_config=extra))
+    return DFlashDrafter(dcfg).eval().to(device, dtype)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and ddtree.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA build")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_lossless_with_cuda_graph(kind):
+    """cuda_graph=True on the GPU: captured once, replayed every round, it emits exactly what the
+    same fixed-shape step run eagerly emits (same kernels; that path is lossless against greedy
+    decoding in fp32 on CPU, above). bf16 target, tree_attention kernel; for the hybrid also the
+    tree conv / GDN kernels inside the graph. Deep acceptances through an oracle drafter built
+    from greedy decoding."""
+    from ddtree.generate import generate_batch
+
+    target = _graph_target(kind)
     prompts = [torch.tensor(p, device="cuda") for p in PROMPTS]
     truths = [greedy_reference(target, p[None], 24) for p in prompts]
 
@@ -495,16 +513,38 @@ def test_lossless_with_cuda_graph(kind):
     assert [r.acceptance_lengths for r in graph] == [r.acceptance_lengths for r in eager]
     assert max(r.tau for r in graph) > 1.5
     # The DFlash drafter's step captured too (fused draft_attention, head_dim 64).
-    extra = {"mask_token_id": VOCAB - 1}
-    dcfg = dflash_config(dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                              intermediate_size=256, block_size=8, num_target_layers=LAYERS,
-                              dflash_config=extra))
-    drafter = DFlashDrafter(dcfg).eval().to("cuda", torch.bfloat16)
+    drafter = _graph_drafter()
     assert drafter.new_cache().fused
     eager = generate_batch(target, drafter, prompts, 24, budget=16)
     graph = generate_batch(target, drafter, prompts, 24, budget=16, cuda_graph=True)
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and ddtree.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA build")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_auto_budget_with_cuda_graph_matches_eager(kind, monkeypatch):
+    """budget="auto" with cuda_graph=True: rounds switch between autoregressive steps and every
+    tree bucket at least the drafter's block deep (one verify graph per bucket, the drafter's
+    graph, its deferred context rows written in chunks of 3 between replays) and emit exactly
+    what the same rounds run eagerly emit (eager auto rounds are lossless against greedy
+    decoding in fp32 on CPU: test_budget.py)."""
+    from ddtree.generate import generate_batch
+    from ddtree.models.dflash import DFlashDraftState
+
+    monkeypatch.setattr(DFlashDraftState, "DEFER_ROWS", 3)
+    target, drafter = _graph_target(kind), _graph_drafter()
+    prompts = [torch.tensor(p, device="cuda") for p in PROMPTS]
+    # Buckets >= block_size - 1: eager drafts run the full block, as a captured graph does.
+    script = [0, 0, 8, 0, 0, 0, 0, 16, 64, 0, 8, 32, 32, 0, 0, 64, 0, 0, 16]
+    eager = generate_batch(target, drafter, prompts, 30, budget="auto",
+                           policy=ScriptedBudgets(script))
+    policy = ScriptedBudgets(script)
+    graph = generate_batch(target, drafter, prompts, 30, budget="auto", policy=policy,
+                           cuda_graph=True)
+    assert {0, 8, 16, 32, 64} <= set(policy.choices)
+    assert [r.tokens for r in graph] == [r.tokens for r in eager]
+    assert [r.round_budgets for r in graph] == [r.round_budgets for r in eager]
 
 
 def test_drafter_norm_and_rope_table_are_qwen3s():
