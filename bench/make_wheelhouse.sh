@@ -3,7 +3,8 @@
 # beyond torch and numpy — transformers 5.18 and its dependencies, hypothesis, safetensors, pytest
 # — and ninja (the extension build), for CPython 3.10-3.12, into wheelhouse/ (~40 MB,
 # git-ignored). The GPU machines reach nothing outside, so a device run carries the folder:
-# run(..., carry=["wheelhouse"]); gpu_check.sh installs from it when something is missing there.
+# run(..., carry=["wheelhouse"]); gpu_check.sh installs from it when transformers is not 5.18
+# or a test dependency is missing there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
