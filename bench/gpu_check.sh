@@ -12,7 +12,12 @@ PY=${PYTHON:-python3}
 START=$(date +%s)
 BUDGET=${GPU_CHECK_SECONDS:-480}
 # left CAP: seconds for the next step, CAP at most, what the budget has left at least 1.
-left() { local l=$(( START + BUDGET - $(date +%s) )); (( l < 1 )) && l=1; (( $1 < l )) && l=$1; echo "$l"; }
+left() {
+  local l=$(( START + BUDGET - $(date +%s) ))
+  (( l < 1 )) && l=1
+  (( $1 < l )) && l=$1
+  echo "$l"
+}
 stamp() { echo "gpu_check: $1 at $(( $(date +%s) - START )) s"; }
 export DDTREE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 PYTHONPATH=python
 # Build for this GPU only (minutes saved): its compute capability, e.g. 9.0 on an H100 / H200.
@@ -24,15 +29,17 @@ status=0
 if ! "$PY" -c "import transformers as t, sys; sys.exit(t.__version__ != '5.18.0')" 2>/dev/null ||
    ! "$PY" -c "import hypothesis, safetensors, pytest" 2>/dev/null; then
   if [ -d wheelhouse ]; then
-    "$PY" -m pip install -q --no-index --no-deps --find-links wheelhouse "transformers==5.18.0" hypothesis \
-      safetensors pytest > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; status=1; }
+    "$PY" -m pip install -q --no-index --no-deps --find-links wheelhouse "transformers==5.18.0" \
+      hypothesis safetensors pytest > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; status=1; }
   else
     echo "gpu_check: transformers 5.18 / hypothesis / safetensors / pytest missing, no wheelhouse/"
   fi
 fi
-command -v ninja > /dev/null || export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+scripts=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+command -v ninja > /dev/null || export PATH="$scripts:$PATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+"$PY" -c "import torch, transformers as t; print('torch', torch.__version__, 'cuda',
+  torch.version.cuda, 'transformers', t.__version__)" | tee -a "$OUT/gpu.txt"
 if ! timeout "$(left 300)" "$PY" setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   exit 1

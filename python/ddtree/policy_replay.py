@@ -288,9 +288,10 @@ def main(argv=None) -> int:
     embedded pair's drafts on held-out prompts (the first --prompts from the --first-th: the
     data of tests/test_policy_replay.py by default; --records F reads records --out wrote
     instead) and prints the replayed speed-ups of auto and the fixed trees, the records taken
-    in generations of --batch requests, under cost profiles (--costs: {bucket: ms} at batch 1, {batch size:
-    {bucket: ms}} for the batch and every power of two below it otherwise; --profiles: those a
-    bench_concurrency.py JSON holds; default: the profiles measured on this machine)."""
+    in generations of --batch requests, under cost profiles (--costs: {bucket: ms} at batch 1,
+    {batch size: {bucket: ms}} for the batch and every power of two below it otherwise;
+    --profiles: those a bench_concurrency.py JSON holds; default: the profiles measured on this
+    machine)."""
     import argparse
     import json
 
