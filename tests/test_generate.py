@@ -489,6 +489,89 @@ def _graph_drafter(device="cuda", dtype=torch.bfloat16):
     return DFlashDrafter(dcfg).eval().to(device, dtype)
 
 
+class ReplayedStep:
+    """A CUDA graph's contract, on the CPU: replay() runs the captured step again and writes its
+    results into the tensors the capture returned (a graph's static outputs, which every replay
+    overwrites). A loop that keeps a step's outputs across a replay, or captures at the wrong
+    moment, then emits other tokens than greedy decoding. (What it cannot show: a captured
+    kernel reading a tensor the step rebinds later; a real graph keeps the old one.)"""
+
+    def __init__(self, step, outputs):
+        self.step, self.outputs = step, outputs
+
+    def replay(self):
+        def copy_into(dst, src):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+            elif dst is not None:
+                for d, s in zip(dst, src, strict=True):
+                    copy_into(d, s)
+        copy_into(self.outputs, self.step())
+
+
+def replayed_graphs(monkeypatch, policy=None):
+    """cuda_graph=True on the CPU with ReplayedStep for every capture (the verifier's and the
+    drafter's). Returns the list of captures: (policy rounds chosen so far, "verify" with its
+    (batch, tree rows) or "draft" with its batch)."""
+    from ddtree import verify
+
+    captures = []
+
+    def capture(step, prepare=lambda: None):
+        for _ in range(3):  # two warm-up runs and the capture, as capture_graph runs them
+            prepare()
+            outputs = step()
+        chosen = len(policy.choices) if policy is not None else None
+        if isinstance(outputs, tuple):
+            captures.append((chosen, "verify", tuple(outputs[0].shape[:2])))
+        else:
+            captures.append((chosen, "draft", outputs.shape[0]))
+        return ReplayedStep(step, outputs), outputs
+
+    monkeypatch.setattr(verify, "capture_graph", capture)
+    monkeypatch.setattr(verify, "check_graph_device", lambda device: None)
+    return captures
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_graph_rounds_replayed_on_the_cpu_are_lossless(kind, monkeypatch):
+    """The cuda_graph=True loop with graph replays emulated on the CPU (ReplayedStep; fp32):
+    fixed tree budget and budget="auto" through every bucket emit the target's greedy tokens;
+    the verify graph of every tree size the rounds can use is captured before the first round
+    (and again, all at once, when finished requests leave the batch), never inside a round; the
+    drafter's graph once per batch size."""
+    from ddtree.budget import BUCKETS
+    from ddtree.generate import generate_batch
+
+    target = tiny_target(seed=3) if kind == "qwen3" else tiny_hybrid(kind=kind)
+    truths = [greedy_reference(target, torch.tensor([p]), 30) for p in PROMPTS]
+    captures = replayed_graphs(monkeypatch)
+    fixed = generate_batch(target, tiny_drafter(), PROMPTS, 30, budget=16, cuda_graph=True)
+    assert [r.tokens for r in fixed] == truths
+    verify_sizes = [c[2] for c in captures if c[1] == "verify"]
+    assert verify_sizes[0] == (len(PROMPTS), 17)
+    assert all(rows == 17 for _, rows in verify_sizes)
+    assert len(set(verify_sizes)) == len(verify_sizes)  # one capture per batch size
+
+    policy = ScriptedBudgets([0, 0, 4, 0, 0, 0, 0, 16, 64, 0, 8, 32, 32, 0, 4, 64, 0, 0, 16])
+    captures = replayed_graphs(monkeypatch, policy)
+    auto = generate_batch(target, tiny_drafter(), PROMPTS, 30, budget="auto", policy=policy,
+                          cuda_graph=True)
+    assert [r.tokens for r in auto] == truths
+    assert set(BUCKETS) <= set(policy.choices)
+    assert len({r.round_batch_sizes[-1] for r in auto}) > 1  # the batch did shrink
+    by_batch = {}
+    for chosen, what, shape in captures:
+        if what == "verify":
+            by_batch.setdefault(shape[0], []).append((chosen, shape[1]))
+    assert min(chosen for chosen, _ in by_batch[len(PROMPTS)]) == 0  # before round one
+    for batch, caught in by_batch.items():
+        assert sorted(rows for _, rows in caught) == [b + 1 for b in BUCKETS], batch
+        assert len({chosen for chosen, _ in caught}) == 1, batch  # all at one moment
+    drafts = [shape for _, what, shape in captures if what == "draft"]
+    assert len(drafts) == len(set(drafts)) >= 1
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and ddtree.has_cuda_kernels()),
                     reason="needs a GPU and the CUDA build")
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])

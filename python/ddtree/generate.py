@@ -11,7 +11,8 @@ drafter features on the device, the target on transformers' StaticCache. A round
 draft -> tree -> verify -> walk -> commit; its only host read is the round's verdict (accepted
 tokens and counts: streaming and stop checks), one copy. Inputs are checked once, here; inside
 the rounds the ops run with their value checks off (ddtree.validation). With cuda_graph=True the
-verify step and the drafter's step are captured once as CUDA graphs and replayed.
+verify step (every tree size the rounds can use, captured before them) and the drafter's step
+are captured as CUDA graphs and replayed.
 """
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ class Verifier(Protocol):
 
     def commit(self, verdict: ops.Verdict) -> None:
         """Keeps the accepted path's rows / states."""
+
+    # Optional: capture(rows, committed_len [B]) captures, before the rounds, the steps of trees
+    # of these row counts (cuda_graph) without changing any committed row or state.
 
 
 @dataclass
@@ -273,7 +277,8 @@ def generate(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, mode
     (temperature, top-k, top-p). mode "chain" verifies DFlash's single chain (K = 1), "tree" the
     optimal tree of `budget` nodes (budget="auto": the cost-aware size each round, see
     generate_batch), "autoregressive" runs the target alone. cuda_graph=True
-    (CUDA) captures the verify step and the drafter's step once and replays them every round.
+    (CUDA) captures the verify step (before the first round, every tree size the rounds can use)
+    and the drafter's step once and replays them every round.
     (One request of generate_batch.)"""
     if not isinstance(input_ids, torch.Tensor):
         if not isinstance(input_ids, (list, tuple)):
@@ -530,6 +535,13 @@ def _known_new_rows(draft, rows: List[List[int]]) -> None:
         draft.known_new_rows(max((row[0] for row in rows), default=0))
 
 
+def _capture(verifier, rows: List[int], committed_len: torch.Tensor) -> None:
+    """A verifier that takes it (capture) captures the verify graphs of these tree row counts
+    now, before the rounds that use them (cuda_graph; eager verifiers do nothing)."""
+    if hasattr(verifier, "capture"):
+        verifier.capture(rows, committed_len)
+
+
 def _verify(clock, verifier, sampler, requests, tree, vis, committed_len):
     """The target's side of a round: the verify pass, the walk (finished requests accept
     nothing), the stage mark, the target's commit. Returns (verdict, hidden states, the round's
@@ -556,11 +568,12 @@ class _AutoRounds:
         self.index = {b: torch.tensor([min(c, b) for c in self.buckets], device=device)
                       for b in self.buckets}
         # Rounds timed for the policy (observe_cost) leave out warm-ups: the generation's first
-        # round, a bucket's first round at the current batch size (allocations, the verifier's
-        # graph capture) and the first two drafted ones there (the drafter's prompt pass and
-        # graph capture); and an autoregressive round right after a drafted one, which also
-        # writes that round's accepted rows into the drafter's context (catch_up: drafting's
-        # cost, not a decoding step's — plain decoding is priced from these rounds).
+        # round, a bucket's first round at the current batch size (allocations; the verify
+        # graphs are captured before the rounds) and the first two drafted ones there (the
+        # drafter's prompt pass and graph capture); and an autoregressive round right after a
+        # drafted one, which also writes that round's accepted rows into the drafter's context
+        # (catch_up: drafting's cost, not a decoding step's — plain decoding is priced from
+        # these rounds).
         self.warm: set = set()
         self.rounds = self.drafted = 0
         self.last = None  # the bucket of the round before
@@ -631,9 +644,11 @@ class _AutoRounds:
 
 
 def _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonus, budgets,
-                  tree_builder, bucket: Optional[int], depth: Optional[int] = None) -> None:
+                  tree_builder, graph_rows: List[int], bucket: Optional[int],
+                  depth: Optional[int] = None) -> None:
     """Rounds of one fixed mode until every request is done: tree_builder(budgets [B]) is the
-    round's tree step (_tree_builder), made anew when finished requests leave the batch;
+    round's tree step (_tree_builder), made anew when finished requests leave the batch (and
+    the verify graphs of `graph_rows` captured anew at the smaller batch size);
     `bucket`: the budget each round records (budget="auto" run autoregressive), or None;
     `depth`: the deepest draft depth a tree can use (a tree of n nodes: n), or None (all)."""
     build_tree = tree_builder(budgets)
@@ -654,6 +669,7 @@ def _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonu
         kept = _leave_finished(requests, (draft, verifier, sampler))
         if kept is not None:
             committed_len, bonus, budgets = (t[kept] for t in (committed_len, bonus, budgets))
+            _capture(verifier, graph_rows, committed_len)
             build_tree = tree_builder(budgets)
 
 
@@ -714,6 +730,10 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     draft = _NoDrafter() if mode == "autoregressive" else \
         drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
     budget_t = torch.tensor(budgets, device=device)
+    # cuda_graph: the verify graph of every tree row count the rounds can use, captured now
+    # (and again whenever finished requests leave the batch): no decoding round captures.
+    graph_rows = [b + 1 for b in AUTO_BUCKETS] if budget == "auto" else [n]
+    _capture(verifier, graph_rows, committed_len)
     clock = _StageClock(device)
     if budget == "auto":
         if not hasattr(draft, "defer"):
@@ -728,6 +748,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                 kept = _leave_finished(requests, (draft, verifier, sampler))
                 if kept is not None:
                     committed_len, bonus = committed_len[kept], bonus[kept]
+                    _capture(verifier, graph_rows, committed_len)
                     auto.resized()
                     if hasattr(policy, "resize"):
                         policy.resize(kept.numel())
@@ -744,7 +765,7 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
         return results
     with validation(False):
         _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonus, budget_t,
-                      lambda budgets: _tree_builder(mode, n - 1, budgets, shard),
+                      lambda budgets: _tree_builder(mode, n - 1, budgets, shard), graph_rows,
                       0 if auto_plain else None, n - 1 if mode == "tree" else None)
     if auto_plain:
         policy.record_autoregressive(len(clock.round_starts))

@@ -1,7 +1,7 @@
 """The target's side of a round, on fixed shapes for every target and mode: transformers'
 StaticCache, a TreeBatch of static buffers handed to the layers through the forward's
-`ddtree_tree` keyword (ddtree.hf), and on CUDA with cuda_graph=True the step captured once as a
-CUDA graph and replayed every round.
+`ddtree_tree` keyword (ddtree.hf), and on CUDA with cuda_graph=True the step of each tree size
+captured once as a CUDA graph (capture: before the rounds) and replayed every round.
 
 Shapes are fixed for a whole generation: batch B, tree rows N, cache rows max_cache_len. Per round
 only buffer contents change (tree tokens, positions, packed visibility rows, parents, node counts,
@@ -39,6 +39,12 @@ def capture_graph(step, prepare=lambda: None):
     return graph, outputs
 
 
+def check_graph_device(device) -> None:
+    """cuda_graph=True captures CUDA graphs: the target must be on a CUDA device."""
+    if device.type != "cuda":
+        raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, got {device}")
+
+
 def _same_layout(tensors):
     """The tensors grouped by (shape, strides, dtype), order kept: commit_kv_layers_ batches."""
     groups = {}
@@ -55,8 +61,8 @@ class TargetVerifier:
                  want_hidden: bool, cuda_graph: bool, is_hybrid: bool, vocab_shard=None):
         n = rows
         device = target.get_input_embeddings().weight.device
-        if cuda_graph and device.type != "cuda":
-            raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, got {device}")
+        if cuda_graph:
+            check_graph_device(device)
         self.target, self.n, self.want_hidden = target, n, want_hidden
         # Tensor-parallel target, greedy: step() returns this rank's vocabulary columns of the
         # logits (the LM head's gather skipped); the walk takes their sharded top-1.
@@ -156,16 +162,46 @@ class TargetVerifier:
             logits = self.vocab_shard.logits(out.last_hidden_state)
         return logits, (tuple(out.hidden_states) if self.want_hidden else None)
 
+    def _load(self, tokens, parents, num_nodes, vis: ops.TreeVisibility,
+              committed_len: torch.Tensor) -> hf.TreeBatch:
+        """The static buffers of the tree's row count N, filled with a tree: tokens, parents
+        [B, N], num_nodes [B], its visibility."""
+        t = self._tree_batch(tokens.shape[1])
+        for buffer, value in ((t.tokens, tokens), (t.positions, vis.positions),
+                              (t.packed, vis.packed), (t.parents, parents),
+                              (t.num_nodes, num_nodes), (t.committed_len, committed_len)):
+            buffer.copy_(value)
+        t.start.copy_(committed_len.max().expand_as(t.start))
+        return t
+
+    def capture(self, rows, committed_len: torch.Tensor) -> None:
+        """With cuda_graph: captures now the verify step of every tree row count in `rows` that
+        has no graph at this batch size yet, so no decoding round pays for a capture. Each is
+        captured over a star tree (every node a child of the root) on top of each request's
+        `committed_len` [B] rows: the passes write cache rows at and above the tree's start
+        only, which every later round overwrites before it reads them, and no GDN state (the
+        commit moves those). Without cuda_graph nothing happens (an eager step has nothing to
+        capture)."""
+        if not self.use_graph:
+            return
+        for n in rows:
+            if n in self.graphs:
+                continue
+            long = dict(dtype=torch.long, device=self.device)
+            parents = torch.zeros(self.batch, n, **long)
+            parents[:, 0] = -1
+            num_nodes = torch.full((self.batch,), n, **long)
+            t = self._load(torch.zeros(self.batch, n, **long), parents, num_nodes,
+                           ops.tree_visibility(parents, num_nodes, committed_len), committed_len)
+            self.graphs[n] = capture_graph(lambda t=t: self._forward(t))
+
     def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, committed_len: torch.Tensor):
         """Verifies `tree` (its rows go to cache rows [max(committed_len), max(committed_len) + N));
         returns (logits [B, N, V] — [B, N, V_local] with vocab_shard — hidden states or None),
-        overwritten by the next round's replay of the same N."""
-        t = self.tree = self._tree_batch(tree.node_tokens.shape[1])
-        for buffer, value in ((t.tokens, tree.node_tokens), (t.positions, vis.positions),
-                              (t.packed, vis.packed), (t.parents, tree.parents),
-                              (t.num_nodes, tree.num_nodes), (t.committed_len, committed_len)):
-            buffer.copy_(value)
-        t.start.copy_(committed_len.max().expand_as(t.start))
+        overwritten by the next round's replay of the same N. A row count without a graph yet
+        (capture) is captured here."""
+        t = self.tree = self._load(tree.node_tokens, tree.parents, tree.num_nodes, vis,
+                                   committed_len)
         if not self.use_graph:
             return self._forward(t)
         n = t.tokens.shape[1]
