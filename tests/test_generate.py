@@ -509,67 +509,71 @@ class ReplayedStep:
         copy_into(self.outputs, self.step())
 
 
-def replayed_graphs(monkeypatch, policy=None):
+def replayed_graphs(monkeypatch):
     """cuda_graph=True on the CPU with ReplayedStep for every capture (the verifier's and the
-    drafter's). Returns the list of captures: (policy rounds chosen so far, "verify" with its
+    drafter's). Returns the list of captures: (verify passes run so far, "verify" with its
     (batch, tree rows) or "draft" with its batch)."""
     from ddtree import verify
 
-    captures = []
+    captures, passes = [], []
+    step = verify.TargetVerifier.step
+
+    def counted_step(self, *args):
+        passes.append(None)
+        return step(self, *args)
 
     def capture(step, prepare=lambda: None):
         for _ in range(3):  # two warm-up runs and the capture, as capture_graph runs them
             prepare()
             outputs = step()
-        chosen = len(policy.choices) if policy is not None else None
         if isinstance(outputs, tuple):
-            captures.append((chosen, "verify", tuple(outputs[0].shape[:2])))
+            captures.append((len(passes), "verify", tuple(outputs[0].shape[:2])))
         else:
-            captures.append((chosen, "draft", outputs.shape[0]))
+            captures.append((len(passes), "draft", (outputs.shape[0], None)))
         return ReplayedStep(step, outputs), outputs
 
+    monkeypatch.setattr(verify.TargetVerifier, "step", counted_step)
     monkeypatch.setattr(verify, "capture_graph", capture)
     monkeypatch.setattr(verify, "check_graph_device", lambda device: None)
     return captures
 
 
+def captured_per_batch(captures):
+    """Batch size -> (the moments of its captures, verify graphs' tree rows, drafter graphs)."""
+    out = {}
+    for moment, what, (batch, rows) in captures:
+        moments, verify_rows, drafts = out.setdefault(batch, (set(), [], []))
+        moments.add(moment)
+        (verify_rows if what == "verify" else drafts).append(rows)
+    return out
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_graph_rounds_replayed_on_the_cpu_are_lossless(kind, monkeypatch):
     """The cuda_graph=True loop with graph replays emulated on the CPU (ReplayedStep; fp32):
-    fixed tree budget and budget="auto" through every bucket emit the target's greedy tokens;
-    the verify graph of every tree size the rounds can use is captured before the first round
-    (and again, all at once, when finished requests leave the batch), never inside a round; the
-    drafter's graph once per batch size."""
+    fixed tree budget and budget="auto" through every bucket emit the target's greedy tokens.
+    At every batch size (three requests, then fewer as they finish) all graphs are captured at
+    one moment, before the batch's first round: the verify graph of every tree size the rounds
+    can use and the drafter's step, never inside a round."""
     from ddtree.budget import BUCKETS
     from ddtree.generate import generate_batch
 
     target = tiny_target(seed=3) if kind == "qwen3" else tiny_hybrid(kind=kind)
     truths = [greedy_reference(target, torch.tensor([p]), 30) for p in PROMPTS]
-    captures = replayed_graphs(monkeypatch)
-    fixed = generate_batch(target, tiny_drafter(), PROMPTS, 30, budget=16, cuda_graph=True)
-    assert [r.tokens for r in fixed] == truths
-    verify_sizes = [c[2] for c in captures if c[1] == "verify"]
-    assert verify_sizes[0] == (len(PROMPTS), 17)
-    assert all(rows == 17 for _, rows in verify_sizes)
-    assert len(set(verify_sizes)) == len(verify_sizes)  # one capture per batch size
-
     policy = ScriptedBudgets([0, 0, 4, 0, 0, 0, 0, 16, 64, 0, 8, 32, 32, 0, 4, 64, 0, 0, 16])
-    captures = replayed_graphs(monkeypatch, policy)
-    auto = generate_batch(target, tiny_drafter(), PROMPTS, 30, budget="auto", policy=policy,
-                          cuda_graph=True)
-    assert [r.tokens for r in auto] == truths
+    for budget, rows in ((16, [17]), ("auto", [b + 1 for b in BUCKETS])):
+        captures = replayed_graphs(monkeypatch)
+        results = generate_batch(target, tiny_drafter(), PROMPTS, 30, budget=budget,
+                                 policy=policy if budget == "auto" else None, cuda_graph=True)
+        assert [r.tokens for r in results] == truths, budget
+        sizes = {s for r in results for s in r.round_batch_sizes}
+        per_batch = captured_per_batch(captures)
+        assert len(sizes) > 1 and set(per_batch) == sizes, budget  # the batch did shrink
+        assert per_batch[len(PROMPTS)][0] == {0}, budget  # before round one
+        for batch, (moments, verify_rows, drafts) in per_batch.items():
+            assert len(moments) == 1 and sorted(verify_rows) == rows, (budget, batch)
+            assert drafts == [None], (budget, batch)
     assert set(BUCKETS) <= set(policy.choices)
-    assert len({r.round_batch_sizes[-1] for r in auto}) > 1  # the batch did shrink
-    by_batch = {}
-    for chosen, what, shape in captures:
-        if what == "verify":
-            by_batch.setdefault(shape[0], []).append((chosen, shape[1]))
-    assert min(chosen for chosen, _ in by_batch[len(PROMPTS)]) == 0  # before round one
-    for batch, caught in by_batch.items():
-        assert sorted(rows for _, rows in caught) == [b + 1 for b in BUCKETS], batch
-        assert len({chosen for chosen, _ in caught}) == 1, batch  # all at one moment
-    drafts = [shape for _, what, shape in captures if what == "draft"]
-    assert len(drafts) == len(set(drafts)) >= 1
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and ddtree.has_cuda_kernels()),

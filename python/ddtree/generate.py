@@ -89,7 +89,7 @@ class GenerationResult:
     acceptance_lengths: List[int]          # tokens emitted per round (accepted + bonus)
     seconds: float                         # wall time of the call, prefill included
     stage_seconds: Dict[str, float] = field(default_factory=dict)  # summed over rounds, synced
-    # Prefill and the warm-up rounds (the drafter's prompt pass; graph capture with cuda_graph):
+    # Prefill and the warm-up round (the drafter's prompt pass; the graphs' capture before it):
     warmup_seconds: float = 0.0
     warmup_rounds: int = 0
     # budget="auto": each round's tree budget (0: an autoregressive round) and, per round, the
@@ -535,11 +535,14 @@ def _known_new_rows(draft, rows: List[List[int]]) -> None:
         draft.known_new_rows(max((row[0] for row in rows), default=0))
 
 
-def _capture(verifier, rows: List[int], committed_len: torch.Tensor) -> None:
-    """A verifier that takes it (capture) captures the verify graphs of these tree row counts
-    now, before the rounds that use them (cuda_graph; eager verifiers do nothing)."""
+def _capture(verifier, draft, rows: List[int], committed_len: torch.Tensor) -> None:
+    """A verifier and a draft state that take it (capture) capture their steps now, before the
+    rounds that replay them: the verify graphs of these tree row counts, the drafter's step
+    (cuda_graph; eager ones do nothing)."""
     if hasattr(verifier, "capture"):
         verifier.capture(rows, committed_len)
+    if hasattr(draft, "capture"):
+        draft.capture()
 
 
 def _verify(clock, verifier, sampler, requests, tree, vis, committed_len):
@@ -570,7 +573,7 @@ class _AutoRounds:
         # Rounds timed for the policy (observe_cost) leave out warm-ups: the generation's first
         # round, a bucket's first round at the current batch size (allocations; the verify
         # graphs are captured before the rounds) and the first two drafted ones there (the
-        # drafter's prompt pass and graph capture); and an autoregressive round right after a
+        # drafter's prompt pass, its first allocations); and an autoregressive round right after a
         # drafted one, which also writes that round's accepted rows into the drafter's context
         # (catch_up: drafting's cost, not a decoding step's — plain decoding is priced from
         # these rounds).
@@ -669,7 +672,7 @@ def _fixed_rounds(clock, draft, verifier, sampler, requests, committed_len, bonu
         kept = _leave_finished(requests, (draft, verifier, sampler))
         if kept is not None:
             committed_len, bonus, budgets = (t[kept] for t in (committed_len, bonus, budgets))
-            _capture(verifier, graph_rows, committed_len)
+            _capture(verifier, draft, graph_rows, committed_len)
             build_tree = tree_builder(budgets)
 
 
@@ -730,10 +733,11 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     draft = _NoDrafter() if mode == "autoregressive" else \
         drafter.begin(target, prompt_hidden, longest + max_new_tokens + 2 * depth + 1, cuda_graph)
     budget_t = torch.tensor(budgets, device=device)
-    # cuda_graph: the verify graph of every tree row count the rounds can use, captured now
-    # (and again whenever finished requests leave the batch): no decoding round captures.
+    # cuda_graph: the verify graph of every tree row count the rounds can use and the drafter's
+    # step, captured now (and again whenever finished requests leave the batch): no decoding
+    # round captures, the first round is a warm-up as in eager mode (the drafter's prompt pass).
     graph_rows = [b + 1 for b in AUTO_BUCKETS] if budget == "auto" else [n]
-    _capture(verifier, graph_rows, committed_len)
+    _capture(verifier, draft, graph_rows, committed_len)
     clock = _StageClock(device)
     if budget == "auto":
         if not hasattr(draft, "defer"):
@@ -748,14 +752,13 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
                 kept = _leave_finished(requests, (draft, verifier, sampler))
                 if kept is not None:
                     committed_len, bonus = committed_len[kept], bonus[kept]
-                    _capture(verifier, graph_rows, committed_len)
+                    _capture(verifier, draft, graph_rows, committed_len)
                     auto.resized()
                     if hasattr(policy, "resize"):
                         policy.resize(kept.numel())
         loop_ms = 1e3 * (time.perf_counter() - prefilled)  # the drafter's prompt pass included
-        warmup_rounds = 2 if cuda_graph else 1
         results = requests.results(time.perf_counter() - started, clock.totals(),
-                                   clock.elapsed_before(warmup_rounds, started), warmup_rounds)
+                                   clock.elapsed_before(1, started), 1)
         if hasattr(policy, "observe_generation"):  # tokens after the first: a plain round each
             policy.observe_generation(loop_ms, [len(r.tokens) - 1 for r in results],
                                       prefill_ms=1e3 * (prefilled - started))
@@ -770,6 +773,5 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     if auto_plain:
         policy.record_autoregressive(len(clock.round_starts))
         cost_aware.remember(policy)
-    warmup_rounds = 2 if cuda_graph and mode != "autoregressive" else 1
     return requests.results(time.perf_counter() - started, clock.totals(),
-                            clock.elapsed_before(warmup_rounds, started), warmup_rounds)
+                            clock.elapsed_before(1, started), 1)

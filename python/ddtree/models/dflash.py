@@ -544,7 +544,8 @@ class DFlashDraftState:
     `capacity` rows, the accepted rows' target features [B, block_size, n*H] and their count per
     request as device buffers (gather_accepted: no host lists). The first step brings the
     prompts' features (padded to the longest prompt) and runs eagerly; every later step has the
-    same shapes and, with cuda_graph, is captured once and replayed."""
+    same shapes and, with cuda_graph, is captured once (capture: before the first round, the
+    prompt's rows written first) and replayed."""
 
     DEFER_ROWS = 64  # deferred root rows written to the context cache in one pass
 
@@ -589,6 +590,20 @@ class DFlashDraftState:
             self.deferred_feats = self.deferred_feats[index]
         self.graph = self.logits = None
 
+    def capture(self) -> None:
+        """With cuda_graph: captures the step now, before the rounds that replay it (again after
+        select): the prompt's context rows, still pending before the first step, are written
+        first (catch_up), so the first step is a replay too. The capture's passes write only
+        cache rows from the committed ones on, which the next step writes again before any
+        read. Eager steps: nothing to capture."""
+        if not self.use_graph or self.graph is not None:
+            return
+        if self.prompt is not None:
+            self.catch_up()
+        from ..verify import capture_graph
+
+        self.graph, self.logits = capture_graph(self._step)
+
     def _step(self, block_rows: Optional[int] = None):
         feats = self.feats if self.use_graph or self.new_rows is None else \
             self.feats[:, : max(1, self.new_rows)]
@@ -618,10 +633,7 @@ class DFlashDraftState:
         elif not self.use_graph:
             logits = self._step(block_rows)
         else:
-            if self.graph is None:  # warm-up and capture write the rows the replay writes
-                from ..verify import capture_graph
-
-                self.graph, self.logits = capture_graph(self._step)
+            self.capture()  # a no-op when the loop captured it before the round
             self.graph.replay()
             logits = self.logits
         self.rows.committed_len += self.rows.new_t
