@@ -551,7 +551,8 @@ def captured_per_batch(captures):
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_graph_rounds_replayed_on_the_cpu_are_lossless(kind, monkeypatch):
     """The cuda_graph=True loop with graph replays emulated on the CPU (ReplayedStep; fp32):
-    fixed tree budget and budget="auto" through every bucket emit the target's greedy tokens.
+    fixed tree budget and budget="auto" through every bucket emit the target's greedy tokens
+    (the fixed budget in the same rounds as eager steps).
     At every batch size (three requests, then fewer as they finish) all graphs are captured at
     one moment, before the batch's first round: the verify graph of every tree size the rounds
     can use and the drafter's step, never inside a round."""
@@ -566,6 +567,10 @@ def test_graph_rounds_replayed_on_the_cpu_are_lossless(kind, monkeypatch):
         results = generate_batch(target, tiny_drafter(), PROMPTS, 30, budget=budget,
                                  policy=policy if budget == "auto" else None, cuda_graph=True)
         assert [r.tokens for r in results] == truths, budget
+        if budget == 16:  # the same rounds as eager ones (full-depth drafts in both)
+            eager = generate_batch(target, tiny_drafter(), PROMPTS, 30, budget=16)
+            assert [r.acceptance_lengths for r in results] == \
+                [r.acceptance_lengths for r in eager]
         sizes = {s for r in results for s in r.round_batch_sizes}
         per_batch = captured_per_batch(captures)
         assert len(sizes) > 1 and set(per_batch) == sizes, budget  # the batch did shrink

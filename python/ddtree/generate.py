@@ -735,7 +735,8 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     budget_t = torch.tensor(budgets, device=device)
     # cuda_graph: the verify graph of every tree row count the rounds can use and the drafter's
     # step, captured now (and again whenever finished requests leave the batch): no decoding
-    # round captures, the first round is a warm-up as in eager mode (the drafter's prompt pass).
+    # round captures; the first round is the warm-up, as in eager mode (the drafter's prompt
+    # pass, eager in both).
     graph_rows = [b + 1 for b in AUTO_BUCKETS] if budget == "auto" else [n]
     _capture(verifier, draft, graph_rows, committed_len)
     clock = _StageClock(device)

@@ -544,8 +544,8 @@ class DFlashDraftState:
     `capacity` rows, the accepted rows' target features [B, block_size, n*H] and their count per
     request as device buffers (gather_accepted: no host lists). The first step brings the
     prompts' features (padded to the longest prompt) and runs eagerly; every later step has the
-    same shapes and, with cuda_graph, is captured once (capture: before the first round, the
-    prompt's rows written first) and replayed."""
+    same shapes and, with cuda_graph, is captured once (capture: before the rounds) and
+    replayed."""
 
     DEFER_ROWS = 64  # deferred root rows written to the context cache in one pass
 
@@ -592,17 +592,18 @@ class DFlashDraftState:
 
     def capture(self) -> None:
         """With cuda_graph: captures the step now, before the rounds that replay it (again after
-        select): the prompt's context rows, still pending before the first step, are written
-        first (catch_up), so the first step is a replay too. The capture's passes write only
-        cache rows from the committed ones on, which the next step writes again before any
+        select). Its passes run with no new context rows (new_t zeroed meanwhile, the graph
+        reads it at each replay): they write only block rows from each request's committed
+        rows on, which the next step (the prompt pass, or a replay) writes again before any
         read. Eager steps: nothing to capture."""
         if not self.use_graph or self.graph is not None:
             return
-        if self.prompt is not None:
-            self.catch_up()
         from ..verify import capture_graph
 
+        pending = self.rows.new_t.clone()
+        self.rows.new_t.zero_()
         self.graph, self.logits = capture_graph(self._step)
+        self.rows.new_t.copy_(pending)
 
     def _step(self, block_rows: Optional[int] = None):
         feats = self.feats if self.use_graph or self.new_rows is None else \
