@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from . import hf, hybrid, ops
 
 
-def capture_graph(step, prepare=lambda: None):
+def capture_graph(step, prepare=lambda: None, pool=None):
     """Runs prepare(); step() twice on a side stream (lazy initialisations, library handles,
-    allocator pools), then captures step() into a CUDA graph. Returns (graph, step's outputs,
-    which every replay overwrites)."""
+    allocator pools), then captures step() into a CUDA graph, its memory from `pool` (another
+    graph's pool(): the two may then reuse each other's scratch memory, so replay one only
+    once the other's outputs are no longer read). Returns (graph, step's outputs, which every
+    replay overwrites)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -34,7 +36,7 @@ def capture_graph(step, prepare=lambda: None):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     prepare()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         outputs = step()
     return graph, outputs
 
@@ -181,10 +183,12 @@ class TargetVerifier:
         `committed_len` [B] rows: the passes write cache rows at and above the tree's start
         only, which every later round overwrites before it reads them, and no GDN state (the
         commit moves those). Without cuda_graph nothing happens (an eager step has nothing to
-        capture)."""
+        capture). The graphs share one memory pool, largest first (the smaller ones fit in its
+        scratch memory): a round reads its verify outputs before the next round replays any of
+        them."""
         if not self.use_graph:
             return
-        for n in rows:
+        for n in sorted(rows, reverse=True):
             if n in self.graphs:
                 continue
             long = dict(dtype=torch.long, device=self.device)
@@ -193,12 +197,16 @@ class TargetVerifier:
             num_nodes = torch.full((self.batch,), n, **long)
             t = self._load(torch.zeros(self.batch, n, **long), parents, num_nodes,
                            ops.tree_visibility(parents, num_nodes, committed_len), committed_len)
-            self.graphs[n] = capture_graph(lambda t=t: self._forward(t))
+            self.graphs[n] = capture_graph(lambda t=t: self._forward(t), pool=self._pool())
+
+    def _pool(self):
+        """The memory pool of the verify graphs captured so far (None before the first)."""
+        return next(iter(self.graphs.values()))[0].pool() if self.graphs else None
 
     def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, committed_len: torch.Tensor):
         """Verifies `tree` (its rows go to cache rows [max(committed_len), max(committed_len) + N));
         returns (logits [B, N, V] — [B, N, V_local] with vocab_shard — hidden states or None),
-        overwritten by the next round's replay of the same N. A row count without a graph yet
+        valid until the next step (with cuda_graph any verify replay may overwrite them). A row count without a graph yet
         (capture) is captured here."""
         t = self.tree = self._load(tree.node_tokens, tree.parents, tree.num_nodes, vis,
                                    committed_len)
@@ -206,7 +214,7 @@ class TargetVerifier:
             return self._forward(t)
         n = t.tokens.shape[1]
         if n not in self.graphs:
-            self.graphs[n] = capture_graph(lambda: self._forward(t))
+            self.graphs[n] = capture_graph(lambda: self._forward(t), pool=self._pool())
         graph, outputs = self.graphs[n]
         graph.replay()
         return outputs
