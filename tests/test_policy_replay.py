@@ -11,7 +11,7 @@ import ddtree
 from ddtree import budget as cost_aware
 from ddtree import embedded, policy_replay
 from ddtree.generate import generate_batch
-from helpers import tiny_drafter, tiny_target
+from helpers import ScriptedBudgets, tiny_drafter, tiny_target
 
 DATA = Path(__file__).parent / "data" / "policy_replay.json"
 
@@ -144,6 +144,47 @@ def test_auto_keeps_its_goals_with_a_noisy_clock(records):
                                        clock=policy_replay.JitteredClock(seed))
         best = max(v for k, v in speed.items() if k.startswith("tree"))
         assert speed["auto"] >= max(1.0, 0.95 * best), (seed, speed)
+
+
+def _switches(choices):
+    """(drafted rounds after an autoregressive one, autoregressive rounds after a drafted one)."""
+    pairs = list(zip(choices, choices[1:]))
+    return sum(a == 0 < b for a, b in pairs), sum(b == 0 < a for a, b in pairs)
+
+
+def test_switches_are_priced(records, capsys):
+    """switch_ms = (into, out of): a drafted round right after an autoregressive one costs `into`
+    more, an autoregressive round right after a drafted one `out of` more; nothing else changes
+    (the same rounds), fixed trees never switch, auto (its costs not learned, so the same choices)
+    is slower by what its switches cost; the command line's --switch-ms prints that; negative or
+    malformed values are refused by name."""
+    costs = REGIMES["measured"]
+    script = [0, 0, 8, 8, 0, 16, 16, 0, 0, 0, 4]
+    plain = policy_replay.replay(records[0], costs, ScriptedBudgets(script))
+    priced = policy_replay.replay(records[0], costs, ScriptedBudgets(script), switch_ms=(2.0, 1.5))
+    into, out_of = _switches(priced.choices)
+    assert priced.choices == plain.choices and into > 0 and out_of > 0
+    assert priced.ms == pytest.approx(plain.ms + 2.0 * into + 1.5 * out_of)
+    fixed = policy_replay.auto(costs, learn_costs=False)
+    before = policy_replay.speedups(records, costs, fixed)
+    after = policy_replay.speedups(records, costs, fixed, switch_ms=(2.0, 1.5))
+    runs = policy_replay.replay_all(records, costs, fixed)
+    switched = [_switches(r.choices) for r in runs]
+    extra = sum(2.0 * i + 1.5 * o for i, o in switched)
+    assert extra > 0 and after["tree 16"] == before["tree 16"]
+    assert 1 / after["auto"] == pytest.approx(1 / before["auto"] + extra / sum(
+        r.ms for r in policy_replay.replay_all(records, costs,
+                                               lambda prior: cost_aware.FixedBucket(0))))
+    assert policy_replay.main(["--records", str(DATA), "--costs", json.dumps(
+        {str(b): ms for b, ms in costs.items()}), "--switch-ms", "2", "1.5"]) == 0
+    assert f"auto  {policy_replay.speedups(records, costs, switch_ms=(2.0, 1.5))['auto']:.3f}x" \
+        in capsys.readouterr().out
+    for bad in ((-1.0, 0.0), (1.0,), (float("inf"), 0.0), "2 1"):
+        with pytest.raises(ValueError, match="switch_ms"):
+            policy_replay.replay(records[0], costs, cost_aware.FixedBucket(0), switch_ms=bad)
+    with pytest.raises(SystemExit):
+        policy_replay.main(["--records", str(DATA), "--costs", "{}", "--switch-ms", "-1", "0"])
+    assert "--switch-ms" in capsys.readouterr().err
 
 
 def test_command_line_records_from_a_given_prompt_and_replays_stored_records(tmp_path, capsys,

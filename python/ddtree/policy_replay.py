@@ -7,13 +7,15 @@ bucket's tree. `replay` then runs a policy (the real AutoBudget, Calibration and
 those positions, each round pricing its bucket from a cost profile: the rounds any policy would
 run, and their cost, with no machine noise. Policy changes are compared on identical drafts and
 costs, and on cost regimes this machine does not have (verify nearly free, as on a GPU at small
-batch, or dear). Round costs are the profile's: switching between autoregressive and drafted
-rounds (the drafter's deferred context) is not priced.
+batch, or dear). Round costs are the profile's, plus, when given (`switch_ms`), what a switch
+between autoregressive and drafted rounds costs in the loop (the drafter's deferred context
+rows written when drafting resumes, a drafted round's accepted rows when it stops).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -115,14 +117,16 @@ class Replayed:
 
 def replay(record: DraftRecord, costs: Dict[int, float], policy,
            calibration: Optional[cost_aware.Calibration] = None,
-           clock: Optional[Callable[[float], float]] = None) -> Replayed:
+           clock: Optional[Callable[[float], float]] = None,
+           switch_ms: Tuple[float, float] = (0.0, 0.0)) -> Replayed:
     """One request's generation (replay_batch at batch 1, priced at `costs`)."""
-    return replay_batch([record], {1: costs}, policy, calibration, clock)
+    return replay_batch([record], {1: costs}, policy, calibration, clock, switch_ms)
 
 
 def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, float]], policy,
                  calibration: Optional[cost_aware.Calibration] = None,
-                 clock: Optional[Callable[[float], float]] = None) -> Replayed:
+                 clock: Optional[Callable[[float], float]] = None,
+                 switch_ms: Tuple[float, float] = (0.0, 0.0)) -> Replayed:
     """Runs `policy` (AutoBudget, FixedBucket or anything with choose / observe) over the
     records' positions as the auto loop would with one request per record (greedy decoding:
     a request's drafts depend on its own tokens alone): each round's bucket from the policy,
@@ -134,10 +138,15 @@ def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, floa
     drafter's depth measures only the buckets no deeper than it); remaining tokens before each
     choice; finished requests leave the batch as the loop's do (the live ones padded to a power
     of two, policy.resize). Rounds are priced at costs[batch size][bucket] (a size without a
-    table: the smallest larger one's, e.g. a last, partial generation); the policy is told
-    clock(cost) as each round's wall time (default: the cost; JitteredClock: a machine whose
+    table: the smallest larger one's, e.g. a last, partial generation), a drafted round after an
+    autoregressive one switch_ms[0] more, an autoregressive round after a drafted one
+    switch_ms[1] more; the policy is told clock(cost) as each round's wall time (default: the cost; JitteredClock: a machine whose
     speed drifts). The records' positions bound the generation (new_tokens of record_drafts).
     Replayed.emitted: the tokens of all requests per round."""
+    if not (isinstance(switch_ms, (tuple, list)) and len(switch_ms) == 2 and
+            all(isinstance(x, (int, float)) and 0 <= x < math.inf for x in switch_ms)):
+        raise ValueError(f"replay: switch_ms must be two finite milliseconds >= 0 (into drafted "
+                         f"rounds, out of them), got {switch_ms!r}")
     buckets, depth = records[0].buckets, records[0].depth
     calibration = calibration or cost_aware.Calibration("cpu")
     policy.start(len(records), depth, "cpu")
@@ -174,6 +183,8 @@ def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, floa
         out.choices.append(bucket)
         out.emitted.append(sum(emitted))
         cost = costs[min(n for n in costs if n >= len(rows))][bucket]
+        if len(out.choices) > 1 and (out.choices[-2] == 0) != (bucket == 0):
+            cost += switch_ms[0] if bucket else switch_ms[1]
         out.ms += cost
         if hasattr(policy, "observe_cost"):
             policy.observe_cost(bucket, clock(cost) if clock else cost)
@@ -190,10 +201,11 @@ def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, floa
 
 def replay_all(records: Sequence[DraftRecord], costs: Dict[int, float],
                make_policy: Callable[[Optional[dict]], object],
-               clock: Optional[Callable[[float], float]] = None, batch: int = 1) -> List[Replayed]:
+               clock: Optional[Callable[[float], float]] = None, batch: int = 1,
+               switch_ms: Tuple[float, float] = (0.0, 0.0)) -> List[Replayed]:
     """The records as consecutive generations of `batch` requests each (batch 1: `costs` is
-    {bucket: ms}; else {batch size: {bucket: ms}} for the batch and every power of two below it),
-    handled as generate_batch handles them: make_policy(prior) builds each one's policy from
+    {bucket: ms}; else {batch size: {bucket: ms}} for the batch and every power of two below it;
+    switches priced at `switch_ms`, replay_batch), handled as generate_batch handles them: make_policy(prior) builds each one's policy from
     what the one before learned (the calibration's sums included); a generation its policy
     makes plain autoregressive (plain_autoregressive) runs bucket 0 throughout; a drafting one
     reports its time (observe_generation) before finish."""
@@ -210,7 +222,7 @@ def replay_all(records: Sequence[DraftRecord], costs: Dict[int, float],
             continue
         prior = policy.calibration_prior() if hasattr(policy, "calibration_prior") else None
         calibration = cost_aware.Calibration("cpu", sums=prior)
-        out.append(replay_batch(group, table, policy, calibration, clock))
+        out.append(replay_batch(group, table, policy, calibration, clock, switch_ms))
         if hasattr(policy, "observe_generation"):
             policy.observe_generation(out[-1].ms, [len(r.emitted) for r in group])
         learned = policy.finish(calibration.sums.tolist()) if hasattr(policy, "finish") else None
@@ -265,17 +277,19 @@ class JitteredClock:
 
 def speedups(records: Sequence[DraftRecord], costs: Dict[int, float],
              make_policy: Optional[Callable] = None,
-             clock: Optional[Callable[[float], float]] = None, batch: int = 1) -> Dict[str, float]:
+             clock: Optional[Callable[[float], float]] = None, batch: int = 1,
+             switch_ms: Tuple[float, float] = (0.0, 0.0)) -> Dict[str, float]:
     """Tokens per ms over autoregressive decoding's, all records together in generations of
     `batch` requests (costs as replay_all takes them): 'auto' (make_policy, default AutoBudget;
-    told clock's round times), each fixed bucket ('tree N'), and 'best fixed per prompt' (an
-    oracle that knows each generation's best fixed bucket in advance)."""
+    told clock's round times; its switches priced at `switch_ms`, replay_batch — a fixed bucket
+    never switches), each fixed bucket ('tree N'), and 'best fixed per prompt' (an oracle that
+    knows each generation's best fixed bucket in advance)."""
     make_policy = make_policy or auto(costs, batch)
     fixed = {b: replay_all(records, costs, lambda prior, b=b: cost_aware.FixedBucket(b),
                            batch=batch) for b in records[0].buckets}
     plain = sum(r.ms for r in fixed[0])
     out = {"auto": plain / sum(r.ms for r in replay_all(records, costs, make_policy, clock,
-                                                        batch))}
+                                                        batch, switch_ms))}
     out.update({f"tree {b}": plain / sum(r.ms for r in runs) for b, runs in fixed.items() if b})
     out["best fixed per prompt"] = plain / sum(
         min(fixed[b][i].ms for b in fixed) for i in range(len(fixed[0])))
@@ -284,7 +298,8 @@ def speedups(records: Sequence[DraftRecord], costs: Dict[int, float],
 
 def main(argv=None) -> int:
     """python -m ddtree.policy_replay [--prompts 16] [--first 0] [--new-tokens 96] [--out F]
-    [--records F] [--costs JSON | --profiles F] [--batch 1] [--noisy-clocks N]: records the
+    [--records F] [--costs JSON | --profiles F] [--batch 1] [--switch-ms INTO OUT_OF]
+    [--noisy-clocks N]: records the
     embedded pair's drafts on held-out prompts (the first --prompts from the --first-th: the
     data of tests/test_policy_replay.py by default; --records F reads records --out wrote
     instead) and prints the replayed speed-ups of auto and the fixed trees, the records taken
@@ -311,9 +326,15 @@ def main(argv=None) -> int:
                         help="the costs: the cost profiles a bench_concurrency.py JSON holds")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests per generation (the records taken in order)")
+    parser.add_argument("--switch-ms", type=float, nargs=2, default=(0.0, 0.0),
+                        metavar=("INTO", "OUT_OF"),
+                        help="what a switch costs: a drafted round after autoregressive ones, "
+                             "an autoregressive round after a drafted one (ms; default 0 0)")
     parser.add_argument("--noisy-clocks", type=int, default=0,
                         help="also replay auto told round times of N seeded JitteredClocks")
     args = parser.parse_args(argv)
+    if not all(0 <= x < math.inf for x in args.switch_ms):
+        parser.error(f"--switch-ms must be two finite milliseconds >= 0, got {args.switch_ms}")
     if args.first < 0 or args.prompts < 1 or args.batch < 1:
         parser.error(f"--first must be >= 0 and --prompts, --batch >= 1, got {args.first}, "
                      f"{args.prompts} and {args.batch}")
@@ -378,10 +399,12 @@ def main(argv=None) -> int:
         print(f"round cost (ms), batch {n}: " + ", ".join(
             f"{b}: {ms:.2f}" for b, ms in sorted(tables[n].items())))
     costs = tables[1] if args.batch == 1 else tables
-    for name, value in speedups(records, costs, batch=args.batch).items():
+    switch = tuple(args.switch_ms)
+    for name, value in speedups(records, costs, batch=args.batch, switch_ms=switch).items():
         print(f"{name:>22s}  {value:.3f}x autoregressive")
     for seed in range(args.noisy_clocks):
-        value = speedups(records, costs, clock=JitteredClock(seed), batch=args.batch)["auto"]
+        value = speedups(records, costs, clock=JitteredClock(seed), batch=args.batch,
+                         switch_ms=switch)["auto"]
         print(f"{'auto, noisy clock ' + str(seed):>22s}  {value:.3f}x autoregressive")
     return 0
 
