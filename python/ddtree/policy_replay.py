@@ -140,8 +140,8 @@ def replay_batch(records: Sequence[DraftRecord], costs: Dict[int, Dict[int, floa
     of two, policy.resize). Rounds are priced at costs[batch size][bucket] (a size without a
     table: the smallest larger one's, e.g. a last, partial generation), a drafted round after an
     autoregressive one switch_ms[0] more, an autoregressive round after a drafted one
-    switch_ms[1] more; the policy is told clock(cost) as each round's wall time (default: the cost; JitteredClock: a machine whose
-    speed drifts). The records' positions bound the generation (new_tokens of record_drafts).
+    switch_ms[1] more; the policy is told clock(cost) as each round's wall time (default: the
+    cost; JitteredClock: a machine whose speed drifts). The records' positions bound the generation (new_tokens of record_drafts).
     Replayed.emitted: the tokens of all requests per round."""
     if not (isinstance(switch_ms, (tuple, list)) and len(switch_ms) == 2 and
             all(isinstance(x, (int, float)) and 0 <= x < math.inf for x in switch_ms)):
@@ -205,8 +205,8 @@ def replay_all(records: Sequence[DraftRecord], costs: Dict[int, float],
                switch_ms: Tuple[float, float] = (0.0, 0.0)) -> List[Replayed]:
     """The records as consecutive generations of `batch` requests each (batch 1: `costs` is
     {bucket: ms}; else {batch size: {bucket: ms}} for the batch and every power of two below it;
-    switches priced at `switch_ms`, replay_batch), handled as generate_batch handles them: make_policy(prior) builds each one's policy from
-    what the one before learned (the calibration's sums included); a generation its policy
+    switches priced at `switch_ms`, replay_batch), handled as generate_batch handles them:
+    make_policy(prior) builds each one's policy from what the one before learned (the calibration's sums included); a generation its policy
     makes plain autoregressive (plain_autoregressive) runs bucket 0 throughout; a drafting one
     reports its time (observe_generation) before finish."""
     table = _cost_table(costs, batch)

@@ -44,7 +44,8 @@ def capture_graph(step, prepare=lambda: None, pool=None):
 def check_graph_device(device) -> None:
     """cuda_graph=True captures CUDA graphs: the target must be on a CUDA device."""
     if device.type != "cuda":
-        raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, got {device}")
+        raise ValueError(f"generate: cuda_graph=True needs the target on a CUDA device, "
+                         f"got {device}")
 
 
 def _same_layout(tensors):
@@ -197,24 +198,25 @@ class TargetVerifier:
             num_nodes = torch.full((self.batch,), n, **long)
             t = self._load(torch.zeros(self.batch, n, **long), parents, num_nodes,
                            ops.tree_visibility(parents, num_nodes, committed_len), committed_len)
-            self.graphs[n] = capture_graph(lambda t=t: self._forward(t), pool=self._pool())
+            self._capture_graph(t)
 
-    def _pool(self):
-        """The memory pool of the verify graphs captured so far (None before the first)."""
-        return next(iter(self.graphs.values()))[0].pool() if self.graphs else None
+    def _capture_graph(self, t: hf.TreeBatch) -> None:
+        """The verify graph of t's row count, in the pool of the graphs captured before it."""
+        pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
+        self.graphs[t.tokens.shape[1]] = capture_graph(lambda: self._forward(t), pool=pool)
 
     def step(self, tree: ops.DraftTree, vis: ops.TreeVisibility, committed_len: torch.Tensor):
         """Verifies `tree` (its rows go to cache rows [max(committed_len), max(committed_len) + N));
         returns (logits [B, N, V] — [B, N, V_local] with vocab_shard — hidden states or None),
-        valid until the next step (with cuda_graph any verify replay may overwrite them). A row count without a graph yet
-        (capture) is captured here."""
+        valid until the next step (with cuda_graph any verify replay may overwrite them). A row
+        count without a graph yet (capture) is captured here."""
         t = self.tree = self._load(tree.node_tokens, tree.parents, tree.num_nodes, vis,
                                    committed_len)
         if not self.use_graph:
             return self._forward(t)
         n = t.tokens.shape[1]
         if n not in self.graphs:
-            self.graphs[n] = capture_graph(lambda: self._forward(t), pool=self._pool())
+            self._capture_graph(t)
         graph, outputs = self.graphs[n]
         graph.replay()
         return outputs
