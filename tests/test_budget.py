@@ -80,31 +80,41 @@ def test_auto_sampling_is_reproducible_and_valid():
     assert all(len(t) == 16 and all(0 <= x < 96 for x in t) for t in first)
 
 
-def test_deferred_context_equals_drafted_context():
-    """Rows that reach the drafter's context through autoregressive rounds (defer, written in
-    one chunk) give the next draft step the same logits as rows that went through draft steps."""
+@pytest.mark.parametrize("plain_rounds, defer_rows", [(3, 64), (12, 64), (12, 5)],
+                         ids=["taken-by-the-step", "written-before-the-step", "written-in-chunks"])
+def test_deferred_context_equals_drafted_context(plain_rounds, defer_rows, monkeypatch):
+    """Rows that reach the drafter's context through autoregressive rounds (defer: behind the
+    drafted round's accepted rows, 2 and 4 per request here, then taken by the next draft step
+    as its context rows, or written by a pass of their own when more than its block_size rows,
+    or in chunks) give the next draft step the same logits as rows that went through draft
+    steps one round at a time."""
+    monkeypatch.setattr(DFlashDraftState, "DEFER_ROWS", defer_rows)
     target, drafter = tiny_target(seed=3), tiny_drafter()
     g = torch.Generator().manual_seed(0)
     hidden = lambda: tuple(torch.randn(2, 5, 64, generator=g) for _ in range(5))  # noqa: E731
     prompt = [hidden(), hidden()]
-    rounds = [hidden() for _ in range(4)]
+    rounds = [hidden() for _ in range(plain_rounds + 1)]
     from ddtree.ops import Verdict
 
     root_only = Verdict(torch.tensor([[0] + [-1] * 7] * 2), torch.tensor([1, 1]),
-                              torch.tensor([3, 4]))
+                        torch.tensor([3, 4]))
+    uneven = Verdict(torch.tensor([[0, 2] + [-1] * 6, [0, 1, 3, 4] + [-1] * 4]),
+                     torch.tensor([2, 4]), torch.tensor([3, 4]))
     prompt_states = [tuple(h[i:i + 1] for h in prompt[i]) for i in range(2)]
     bonus = torch.tensor([5, 6])
     drafted = DFlashDraftState(drafter, target, prompt_states, 64, False)
     deferred = DFlashDraftState(drafter, target, prompt_states, 64, False)
     for state in (drafted, deferred):
         state.step(bonus)
-        state.commit(rounds[0], root_only)
+        state.commit(rounds[0], uneven)
+        state.known_new_rows(4)
     for h in rounds[1:]:
         drafted.step(bonus)
         drafted.commit(h, root_only)
         deferred.defer(h)
     torch.testing.assert_close(deferred.step(bonus), drafted.step(bonus), rtol=1e-4, atol=1e-4)
     assert torch.equal(deferred.rows.committed_len, drafted.rows.committed_len)
+    assert deferred.deferred == 0 and not deferred.deferred_count.any()
 
 
 def test_a_shallow_round_extends_its_buckets_by_earlier_ratios():

@@ -571,10 +571,13 @@ class DFlashDraftState:
         self.new_rows: Optional[int] = None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits = None
-        # Autoregressive rounds of budget="auto" (defer / catch_up): block rows committed but
-        # not yet in the cache, and the deferred root rows' features.
+        # Autoregressive rounds of budget="auto" (defer): whether the last drafted round's
+        # accepted rows (feats, new_t) are still to reach the cache; the context rows deferred
+        # since, per request deferred_count[b] of them packed at the front of deferred_feats
+        # [B, DEFER_ROWS + block_size, n*H]; `deferred` (host) bounds every request's count.
         self.block_pending = False
         self.deferred, self.deferred_feats = 0, None
+        self.deferred_count = torch.zeros(batch, dtype=torch.long, device=device)
 
     def select(self, index: torch.Tensor) -> None:
         """Keeps the batch rows `index` [B'] (finished requests leave): context caches, context
@@ -588,6 +591,7 @@ class DFlashDraftState:
             self.prompt = self.prompt[index]
         if self.deferred_feats is not None:
             self.deferred_feats = self.deferred_feats[index]
+        self.deferred_count = self.deferred_count[index]
         self.graph = self.logits = None
 
     def capture(self) -> None:
@@ -622,7 +626,7 @@ class DFlashDraftState:
         round's tree goes no deeper (eager steps draft a block of depth + 1 rows, cheaper; a
         captured graph keeps its full block)."""
         self.bonus.copy_(bonus)
-        self._flush_deferred()
+        self._take_deferred()
         self.block_pending = False
         block_rows = None if depth is None or depth + 1 >= self.drafter.block_size else \
             max(2, depth + 1)
@@ -657,7 +661,7 @@ class DFlashDraftState:
     @torch.no_grad()
     def catch_up(self) -> None:
         """Writes the pending context rows (the prompt's, or the last verdict's accepted rows)
-        into the cache now (budget="auto" before its first autoregressive round)."""
+        into the cache now."""
         feats = self.prompt if self.prompt is not None else self.feats
         self.prompt, self.block_pending = None, False
         self._write_context(feats, self.rows.new_t)
@@ -666,24 +670,50 @@ class DFlashDraftState:
     @torch.no_grad()
     def defer(self, hidden_states) -> None:
         """An autoregressive round's verdict (budget="auto"): its one accepted row (the root,
-        row 0 of the pass) joins the context later, in chunks of DEFER_ROWS rows written by one
-        pass (before the next draft step at the latest), so a run of autoregressive rounds costs
-        the drafter one small copy a round."""
-        if self.prompt is not None or self.block_pending:
+        row 0 of the pass) joins the context later. The rows wait in a buffer, behind the
+        accepted rows of the drafted round before them (moved there, not written); the next
+        draft step takes them as its own new context rows when they fit its block_size rows
+        (no pass of their own), else one pass writes them first; a full buffer (DEFER_ROWS)
+        is written by one pass. So switching between drafted and autoregressive rounds costs
+        the drafter copies, and a run of autoregressive rounds one small copy a round."""
+        if self.prompt is not None:
             self.catch_up()
-        if self.deferred == self.DEFER_ROWS:
+        if self.deferred_feats is None:
+            self.deferred_feats = self.feats.new_zeros(
+                self.feats.shape[0], self.DEFER_ROWS + self.drafter.block_size,
+                self.feats.shape[-1])
+        if self.block_pending:  # the drafted round's accepted rows go first
+            self.deferred_feats[:, : self.feats.shape[1]] = self.feats
+            self.deferred_count.copy_(self.rows.new_t)
+            self.rows.new_t.zero_()
+            self.deferred = self.feats.shape[1] if self.new_rows is None else self.new_rows
+            self.block_pending = False
+        if self.deferred >= self.DEFER_ROWS:
             self._flush_deferred()
         ids = self.drafter.target_layer_ids
         row = torch.cat([hidden_states[i + 1][:, :1] for i in ids], -1)
-        if self.deferred_feats is None:
-            self.deferred_feats = row.new_zeros(row.shape[0], self.DEFER_ROWS, row.shape[-1])
-        self.deferred_feats[:, self.deferred: self.deferred + 1] = row
+        self.deferred_feats.scatter_(1, self.deferred_count[:, None, None].expand_as(row), row)
+        self.deferred_count += 1
         self.deferred += 1
 
-    def _flush_deferred(self) -> None:
-        if self.deferred:
-            self._write_context(self.deferred_feats[:, : self.deferred], self.deferred)
+    def _take_deferred(self) -> None:
+        """Before a draft step: the deferred rows become the step's new context rows when they
+        fit (no request has more than block_size of them), else one pass writes them."""
+        if self.deferred > self.feats.shape[1]:
+            self._flush_deferred()
+        elif self.deferred:
+            self.feats[:, : self.deferred] = self.deferred_feats[:, : self.deferred]
+            self.rows.new_t.copy_(self.deferred_count)
+            self.new_rows = self.deferred
+            self.deferred_count.zero_()
             self.deferred = 0
+
+    def _flush_deferred(self) -> None:
+        """One pass writes the deferred rows (and the accepted rows before them) into the
+        cache."""
+        self._write_context(self.deferred_feats[:, : self.deferred], self.deferred_count)
+        self.deferred_count.zero_()
+        self.deferred = 0
 
     def commit(self, hidden_states, verdict) -> None:
         """The accepted rows' target features become the next step's new context rows."""
