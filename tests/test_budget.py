@@ -804,48 +804,51 @@ def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
 
 def test_calibration_times_the_warm_rounds_of_the_whole_batch(monkeypatch, tmp_path):
     """calibrate times rounds of the whole batch (its requests share one prompt, so none leaves
-    early) after their warm-up (the rounds the loop reports to observe_cost), the tree buckets
-    cycled round by round in one generation, and a bucket's cost is the median of its rounds
-    over every repeat; with three cycles or more in which every tree bucket was timed, the tree
-    buckets are priced within those cycles (each one's share of its cycle's mean, median over
-    the cycles, times the median cycle mean)."""
+    early) after their warm-up (the rounds the loop reports to observe_cost: of the two
+    autoregressive rounds of a cycle the second, after an autoregressive one), every bucket
+    cycled round by round in one generation per repeat, and a bucket's cost is the median of
+    its rounds over every repeat; with three cycles or more in which every bucket was timed,
+    the buckets (autoregressive rounds among them) are priced within those cycles (each one's
+    share of its cycle's mean, median over the cycles, times the median cycle mean)."""
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
     import ddtree.generate as loop
 
-    sizes, timed, cycles, real = [], {}, [], loop.generate_batch
+    sizes, timed, cycles, choices, real = [], {}, [], [], loop.generate_batch
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sizes.extend(s for r in out for s in r.round_batch_sizes)
         policy = kwargs["policy"]
+        choices.append(list(policy.choices))
+        # No bucket timed twice in a cycle: of its two autoregressive rounds one is timed.
+        assert len(policy.round_ms) == sum(len(c) for c in policy.cycles.values())
         for bucket, ms in policy.times.items():
             timed.setdefault(bucket, []).extend(ms)
-        if 0 not in policy.cycle:
-            cycles.extend(c for c in policy.cycles.values() if len(c) == len(policy.cycle))
+        cycles.extend(c for c in policy.cycles.values() if len(c) == len(set(policy.cycle)))
         return out
 
     monkeypatch.setattr(loop, "generate_batch", recording)
-    # One tree bucket: no cycle to price it in; every bucket: the tiny pair's short drafts
-    # give many cycles.
-    for buckets in ((0, 16), cost_aware.BUCKETS):
-        sizes.clear(), timed.clear(), cycles.clear()
+    for buckets in ((0, 16), cost_aware.BUCKETS, (4, 16)):
+        sizes.clear(), timed.clear(), cycles.clear(), choices.clear()
         measured = cost_aware.calibrate(tiny_target(seed=3), tiny_drafter(), 3, buckets,
                                         rounds=2, repeats=2, progress=False, use_cache=False)
         trees = [b for b in buckets if b]
+        plain = [0, 0] if 0 in buckets else []
+        assert len(choices) == 2  # one generation a repeat, the trees' order alternating
+        for repeat, rounds in enumerate(choices):
+            cycle = plain + (trees if repeat % 2 == 0 else trees[::-1])
+            assert rounds == [cycle[i % len(cycle)] for i in range(len(rounds))]
         assert sizes and set(sizes) == {3}
         assert set(timed) == set(buckets) and all(timed.values())
-        assert measured.round_ms[0] == statistics.median(timed[0])
-        if len(trees) > 1:
-            assert len(cycles) >= 3
-            means = [sum(c.values()) / len(c) for c in cycles]
-            level = statistics.median(means)
-            shares = [level * statistics.median(c[b] / m for c, m in zip(cycles, means))
-                      for b in trees]
-            fit = cost_aware.non_decreasing(shares, [len(cycles)] * len(trees))
-        else:
-            fit = cost_aware.non_decreasing([statistics.median(timed[b]) for b in trees],
-                                            [len(timed[b]) for b in trees])
+        assert len(cycles) >= 3  # the tiny pair's short drafts give many cycles
+        means = [sum(c.values()) / len(c) for c in cycles]
+        level = statistics.median(means)
+        shares = {b: level * statistics.median(c[b] / m for c, m in zip(cycles, means))
+                  for b in buckets}
+        fit = cost_aware.non_decreasing([shares[b] for b in trees], [len(cycles)] * len(trees))
         assert [measured.round_ms[b] for b in trees] == pytest.approx(fit)
+        if plain:
+            assert measured.round_ms[0] == pytest.approx(shares[0])
 
 
 def test_tree_buckets_are_priced_within_each_cycle():

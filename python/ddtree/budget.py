@@ -172,8 +172,8 @@ class CostProfile:
 
 
 # How calibrate measures: part of the cache key, so profiles measured another way are not reused.
-CALIBRATION_METHOD = "median of warm rounds, tree buckets cycled per round and priced within " \
-    "each cycle, monotone"
+CALIBRATION_METHOD = "median of warm rounds, every bucket (autoregressive rounds twice) cycled " \
+    "per round and priced within each cycle, tree buckets monotone"
 
 
 def cache_key(target: str, drafter: str, device: str, dtype: str, version: str, batch: int) -> str:
@@ -232,18 +232,21 @@ def save_profile(profile: CostProfile) -> Path:
 def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rounds: int = 6,
               repeats: int = 3, prompt_len: int = 48, progress: bool = True,
               use_cache: bool = True) -> CostProfile:
-    """The cost profile of `batch` requests: per repeat, two short greedy generations of a
-    random prompt on the loop of budget="auto", one of autoregressive rounds and one whose
-    rounds cycle through the tree buckets (CyclingBuckets: adjacent buckets' costs differ by a
-    few per cent, and a slow spell of the machine then hits every tree bucket alike), their
-    order alternating between repeats. A bucket's cost is the median wall time of its rounds
-    after their warm-up (the rounds the loop reports to observe_cost), over every repeat: one
-    slow round or repeat moves it little. Tree buckets are priced against each other within
-    each cycle (`cycle_relative_costs`: the machine's speed drifts between cycles, hardly within
-    one), given at least three cycles with every tree bucket timed. Tree buckets' costs are then
-    made non-decreasing in the bucket (`non_decreasing`): a round verifying more tree rows does
-    the same work and more, so an inversion is measurement noise — and would steer every choice
-    to the larger tree.
+    """The cost profile of `batch` requests: per repeat, one short greedy generation of a
+    random prompt on the loop of budget="auto" whose rounds cycle through the buckets
+    (CyclingBuckets): two autoregressive rounds (the second is timed: the first follows a drafted
+    round), then the tree buckets, ascending and descending in alternate repeats. A bucket's
+    cost is the median wall time of its rounds after their warm-up (the rounds the loop reports
+    to observe_cost), over every repeat: one slow round or repeat moves it little. Given at
+    least three cycles with every bucket timed, the buckets are priced against each other
+    within each cycle (`cycle_relative_costs`): the machine's speed drifts between cycles,
+    hardly within one, and what the policy weighs is how the buckets stand to each other —
+    above all a tree against an autoregressive round (adjacent tree buckets differ by a few per
+    cent; a tree and an autoregressive round measured in separate generations were off by up to
+    15 % between two calibrations in one process). Tree buckets' costs are then made
+    non-decreasing in the bucket (`non_decreasing`): a round verifying more tree rows does the
+    same work and more, so an inversion is measurement noise — and would steer every choice to
+    the larger tree.
     Cached on disk per architecture and attention path (target and drafter) / device / dtype /
     library version / batch size / measuring rule (use_cache=False measures again)."""
     if use_cache:
@@ -264,30 +267,24 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=2 * repeats, desc=f"ddtree calibrate (batch {batch})",
+        bar = tqdm(total=repeats, desc=f"ddtree calibrate (batch {batch})",
                    leave=False, file=None)
-    buckets = list(buckets)
-    trees = sorted(b for b in buckets if b > 0)
+    buckets = sorted(set(buckets))
+    trees = [b for b in buckets if b > 0]
     times: Dict[int, List[float]] = {bucket: [] for bucket in buckets}
-    cycles: List[Dict[int, float]] = []  # the tree cycles with every bucket timed
+    cycles: List[Dict[int, float]] = []  # the cycles with every bucket timed
+    plain = [0, 0] if 0 in buckets else []
     for repeat in range(repeats):
-        # An autoregressive generation, and one whose rounds cycle through the tree buckets
-        # (round by round: a slow spell hits every tree bucket alike, and adjacent buckets'
-        # costs differ by a few per cent); their order alternating. About 4 tokens a drafted
-        # round on these prompts: ~`rounds` rounds per tree bucket, more autoregressive ones.
-        parts = [([0] if 0 in buckets else []), (trees if repeat % 2 == 0 else trees[::-1])]
-        for part in (parts if repeat % 2 == 0 else parts[::-1]):
-            if not part:
-                continue
-            policy = CyclingBuckets(part)
-            generate_batch(target, drafter, prompts, (rounds + 2) * 4 * len(part),
-                           budget="auto", policy=policy)
-            for bucket, measured in policy.times.items():
-                times[bucket] += measured
-            if len(part) > 1:
-                cycles += [c for c in policy.cycles.values() if len(c) == len(part)]
-            if bar is not None:
-                bar.update(1)
+        # About 4 tokens a drafted round on these prompts: ~`rounds` cycles.
+        cycle = plain + (trees if repeat % 2 == 0 else trees[::-1])
+        policy = CyclingBuckets(cycle)
+        generate_batch(target, drafter, prompts, (rounds + 2) * (4 * len(trees) + len(plain)),
+                       budget="auto", policy=policy)
+        for bucket, measured in policy.times.items():
+            times[bucket] += measured
+        cycles += [c for c in policy.cycles.values() if len(c) == len(buckets)]
+        if bar is not None:
+            bar.update(1)
     if bar is not None:
         bar.close()
     for bucket, measured in times.items():
@@ -295,8 +292,8 @@ def calibrate(target, drafter, batch: int, buckets: Sequence[int] = BUCKETS, rou
             raise RuntimeError(f"calibrate: no timed round for budget {bucket} (batch {batch})")
     round_ms = {bucket: statistics.median(measured) for bucket, measured in times.items()}
     weights = [len(times[b]) for b in trees]
-    if len(cycles) >= 3:
-        round_ms.update(cycle_relative_costs(cycles, trees))
+    if len(cycles) >= 3 and len(buckets) > 1:
+        round_ms.update(cycle_relative_costs(cycles, buckets))
         weights = [len(cycles)] * len(trees)
     round_ms.update(zip(trees, non_decreasing([round_ms[b] for b in trees], weights)))
     round_ms = _same_on_every_rank(round_ms)
