@@ -15,7 +15,7 @@ expected tokens per second, autoregressive decoding included.
 - The policy: `AutoBudget` picks, once per round from the round's one host read, the bucket
   of most expected speed-up (the time every live request needs to finish: remaining tokens /
   its expected tokens a round, times the round cost); bucket 0 is an autoregressive round
-  (no draft step; the drafter's context is kept up to date by `defer` / `catch_up`), with a
+  (no draft step; the drafter's context rows wait in its deferred buffer, `defer`), with a
   drafted probe after a bounded, growing wait. Each request's tree is the best n-node prefix of
   one tree built at the largest bucket (so the next decision sees the expected gain of every
   bucket).

@@ -574,9 +574,9 @@ class _AutoRounds:
         # round, a bucket's first round at the current batch size (allocations; the verify
         # graphs are captured before the rounds) and the first two drafted ones there (the
         # drafter's prompt pass, its first allocations); and an autoregressive round right after a
-        # drafted one, which also writes that round's accepted rows into the drafter's context
-        # (catch_up: drafting's cost, not a decoding step's — plain decoding is priced from
-        # these rounds).
+        # drafted one, which also moves that round's accepted rows into the drafter's deferred
+        # buffer and pays the switch (drafting's cost, not a decoding step's — plain decoding is
+        # priced from these rounds).
         self.warm: set = set()
         self.rounds = self.drafted = 0
         self.last = None  # the bucket of the round before
