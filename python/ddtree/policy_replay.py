@@ -8,8 +8,8 @@ those positions, each round pricing its bucket from a cost profile: the rounds a
 run, and their cost, with no machine noise. Policy changes are compared on identical drafts and
 costs, and on cost regimes this machine does not have (verify nearly free, as on a GPU at small
 batch, or dear). Round costs are the profile's, plus, when given (`switch_ms`), what a switch
-between autoregressive and drafted rounds costs in the loop (the drafter's deferred context
-rows written when drafting resumes, a drafted round's accepted rows when it stops).
+between autoregressive and drafted rounds costs in the loop (the drafter's queued context
+rows taken by the first draft step, the target's first rounds of the other kind).
 """
 from __future__ import annotations
 
