@@ -145,7 +145,7 @@ def device_name(device: torch.device) -> str:
 @dataclass
 class CostProfile:
     """Milliseconds of one round per bucket (budget -> ms) at one batch size, and what it was
-    measured on. round_ms[0] is an autoregressive round (with the drafter's catch-up)."""
+    measured on. round_ms[0] is an autoregressive round (with the drafter's deferral)."""
     batch: int
     round_ms: Dict[int, float]
     target: str

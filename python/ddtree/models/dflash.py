@@ -659,15 +659,6 @@ class DFlashDraftState:
         ctx_rows.committed_len += rows
 
     @torch.no_grad()
-    def catch_up(self) -> None:
-        """Writes the pending context rows (the prompt's, or the last verdict's accepted rows)
-        into the cache now."""
-        feats = self.prompt if self.prompt is not None else self.feats
-        self.prompt, self.block_pending = None, False
-        self._write_context(feats, self.rows.new_t)
-        self.rows.new_t.zero_()
-
-    @torch.no_grad()
     def defer(self, hidden_states) -> None:
         """An autoregressive round's verdict (budget="auto"): its one accepted row (the root,
         row 0 of the pass) joins the context later. The rows wait in a buffer, behind the
@@ -676,8 +667,10 @@ class DFlashDraftState:
         (no pass of their own), else one pass writes them first; a full buffer (DEFER_ROWS)
         is written by one pass. So switching between drafted and autoregressive rounds costs
         the drafter copies, and a run of autoregressive rounds one small copy a round."""
-        if self.prompt is not None:
-            self.catch_up()
+        if self.prompt is not None:  # the first round: the prompt's rows go in by one pass
+            self._write_context(self.prompt, self.rows.new_t)
+            self.rows.new_t.zero_()
+            self.prompt = None
         if self.deferred_feats is None:
             self.deferred_feats = self.feats.new_zeros(
                 self.feats.shape[0], self.DEFER_ROWS + self.drafter.block_size,
