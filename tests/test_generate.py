@@ -970,3 +970,71 @@ def test_round_host_copy_is_accepted_tokens_then_bonus(stops):
     # max_new_tokens 4 ends row 0; the stop token 9 ends row 1; row 3 emitted nothing (its
     # padding holds 9: not a real token)
     assert requests.alive.tolist() == [False, not stops, True, True]
+
+
+def test_packed_lm_head_computes_the_linear_and_keeps_the_module():
+    """hf.use_packed_lm_head: the LM head stays the same module with the same parameters (state
+    dict, tied embeddings); its CPU fp32 inference products equal nn.Linear's (1 to 33 rows, 2-D
+    and 3-D inputs, with a bias), follow an in-place change of the weight (the packed copy is
+    made again), and grad mode with a weight requiring grad or another dtype runs nn.Linear's
+    own forward (same gradients, same values)."""
+    from ddtree import hf
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN: use_packed_lm_head leaves the head as it is")
+    for tied in (False, True):
+        target = Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=64,
+            tie_word_embeddings=tied)).eval()
+        head, weight = target.get_output_embeddings(), target.get_output_embeddings().weight
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        assert hf.use_packed_lm_head(target) and hf.use_packed_lm_head(target)
+        assert target.get_output_embeddings() is head and head.weight is weight
+        assert isinstance(head, hf.PackedLinear)
+        assert (head.weight is target.get_input_embeddings().weight) == tied
+        after = target.state_dict()
+        assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    torch.manual_seed(0)
+    for bias in (False, True):
+        head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
+        plain = torch.nn.functional.linear
+        head.__class__ = hf.PackedLinear
+        with torch.no_grad():
+            for shape in ((1, HIDDEN), (3, HIDDEN), (2, 17, HIDDEN), (1, 33, HIDDEN)):
+                x = torch.randn(shape)
+                torch.testing.assert_close(head(x), plain(x, head.weight, head.bias))
+            x = torch.randn(2, 5, HIDDEN)
+            head.weight.mul_(-2.0)  # in place: the next call packs the new weight
+            torch.testing.assert_close(head(x), plain(x, head.weight, head.bias))
+            half = x.to(torch.bfloat16)
+            assert torch.equal(head.to(torch.bfloat16)(half),
+                               plain(half, head.weight, head.bias))
+            head.float()
+        x = torch.randn(4, HIDDEN)
+        out = head(x)  # grad mode, the weight requires grad: nn.Linear's forward
+        out.square().sum().backward()
+        grad = head.weight.grad.clone()
+        head.weight.grad = None
+        plain(x, head.weight, head.bias).square().sum().backward()
+        torch.testing.assert_close(grad, head.weight.grad)
+    assert not hf.use_packed_lm_head(torch.nn.Module())  # no LM head: nothing changed
+
+
+@pytest.mark.parametrize("mode,budget", [("tree", 16), ("tree", "auto"), ("autoregressive", 0)])
+def test_lossless_with_the_packed_lm_head(mode, budget):
+    """The loop with a packed LM head (the verify pass's tree rows, the drafter's block rows)
+    emits the plain model's greedy tokens."""
+    import copy
+
+    from ddtree import hf
+    from ddtree.generate import generate_batch
+
+    target = tiny_target(seed=3)
+    truths = [greedy_reference(target, torch.tensor([p]), 20) for p in PROMPTS]
+    packed = copy.deepcopy(target)
+    if not hf.use_packed_lm_head(packed):
+        pytest.skip("torch built without oneDNN: use_packed_lm_head leaves the head as it is")
+    got = generate_batch(packed, tiny_drafter(), [torch.tensor(p) for p in PROMPTS], 20,
+                         mode=mode, budget=budget)
+    assert [r.tokens for r in got] == truths

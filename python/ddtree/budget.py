@@ -123,14 +123,16 @@ class Calibration:
 
 def _model_key(model) -> str:
     """The architecture (config without its path, parameter shapes) and the attention path (the
-    target's attention implementation, the drafter's fused_attention setting): what a round's
-    cost depends on. Weight values do not matter, so no device read."""
+    target's attention implementation, the drafter's fused_attention setting, the LM head's
+    class: hf.PackedLinear or not): what a round's cost depends on. Weight values do not matter, so no device read."""
     if model is None:
         return "none"
     cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
     cfg.pop("_name_or_path", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     cfg["ddtree_attention_path"] = [getattr(model.config, "_attn_implementation", None),
-                                    str(getattr(model, "fused_attention", None))]
+                                    str(getattr(model, "fused_attention", None)),
+                                    type(head).__name__]
     shapes = [list(p.shape) for p in model.parameters()]
     text = json.dumps([cfg, shapes], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

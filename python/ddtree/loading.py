@@ -13,11 +13,16 @@ def text_config(config):
 
 
 def load_target(path: str, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A transformers causal LM from a local directory, in eval mode on `device`."""
+    """A transformers causal LM from a local directory, in eval mode on `device`, its LM head's
+    CPU fp32 inference products on a packed weight (hf.use_packed_lm_head)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                local_files_only=True).to(device).eval()
+    from . import hf
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                 local_files_only=True).to(device).eval()
+    hf.use_packed_lm_head(model)
+    return model
 
 
 def load_tokenizer(path: str):
