@@ -975,10 +975,19 @@ def test_round_host_copy_is_accepted_tokens_then_bonus(stops):
 def test_packed_lm_head_computes_the_linear_and_keeps_the_module():
     """hf.use_packed_lm_head: the LM head stays the same module with the same parameters (state
     dict, tied embeddings); its CPU fp32 inference products equal nn.Linear's (1 to 33 rows, 2-D
-    and 3-D inputs, with a bias), follow an in-place change of the weight (the packed copy is
-    made again), and grad mode with a weight requiring grad or another dtype runs nn.Linear's
-    own forward (same gradients, same values)."""
+    and 3-D inputs, with a bias), follow a change of the weight (in place, another tensor, a
+    dtype round trip: the packed copy is made again), and grad mode with a weight requiring grad or another dtype runs nn.Linear's
+    own forward (same gradients, same values); copies and pickles leave the packed copy out."""
+    import copy
+    import io
+
     from ddtree import hf
+
+    def save(module):
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        return buffer
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN: use_packed_lm_head leaves the head as it is")
@@ -1007,11 +1016,18 @@ def test_packed_lm_head_computes_the_linear_and_keeps_the_module():
             x = torch.randn(2, 5, HIDDEN)
             head.weight.mul_(-2.0)  # in place: the next call packs the new weight
             torch.testing.assert_close(head(x), plain(x, head.weight, head.bias))
+            head.weight = torch.nn.Parameter(torch.randn_like(head.weight))  # another tensor
+            torch.testing.assert_close(head(x), plain(x, head.weight, head.bias))
             half = x.to(torch.bfloat16)
             assert torch.equal(head.to(torch.bfloat16)(half),
                                plain(half, head.weight, head.bias))
-            head.float()
+            head.float()  # rounded through bf16: a new weight, packed anew
+            torch.testing.assert_close(head(x), plain(x, head.weight, head.bias))
         x = torch.randn(4, HIDDEN)
+        with torch.no_grad():
+            for twin in (copy.deepcopy(head), torch.load(save(head), weights_only=False)):
+                assert isinstance(twin, hf.PackedLinear) and "_packed" not in twin.__dict__
+                torch.testing.assert_close(twin(x), head(x))
         out = head(x)  # grad mode, the weight requires grad: nn.Linear's forward
         out.square().sum().backward()
         grad = head.weight.grad.clone()

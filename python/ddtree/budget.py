@@ -124,7 +124,8 @@ class Calibration:
 def _model_key(model) -> str:
     """The architecture (config without its path, parameter shapes) and the attention path (the
     target's attention implementation, the drafter's fused_attention setting, the LM head's
-    class: hf.PackedLinear or not): what a round's cost depends on. Weight values do not matter, so no device read."""
+    class: hf.PackedLinear or not): what a round's cost depends on. Weight values do not
+    matter, so no device read."""
     if model is None:
         return "none"
     cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)

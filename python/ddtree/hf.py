@@ -90,11 +90,14 @@ class PackedLinear(torch.nn.Linear):
     """An nn.Linear whose inference products on the CPU in fp32 run on a oneDNN copy of its
     weight packed once (torch's `mkldnn._linear_pointwise`), instead of a BLAS call that packs
     the weight again at every call: for an LM head that is most of the call's time at a few rows
-    (docs/generation.md: 1.3-4x at 2-32 rows on a 2-core CPU). Everything else (grad mode with
+    (docs/generation.md: 1.6-3.4x at 2-32 rows on a 2-core CPU). Everything else (grad mode with
     anything requiring grad, other devices or dtypes, tensor subclasses such as a sharded
     weight) is nn.Linear's own forward. The module keeps its parameters (state
-    dict, tied embeddings unchanged); the packed copy is a plain attribute, made again when the
-    weight changes (its storage, shape or version: in-place updates bump it)."""
+    dict, tied embeddings unchanged). The packed copy (as large as the weight) is a plain
+    attribute, made on the first product and again when the weight is another tensor or was
+    changed in place through the parameter (its version; changes through `.data` are not seen,
+    as autograd does not see them); dropped by `.to()` / `.float()` / `.cuda()` and the like,
+    and left out of copies and pickles (an opaque oneDNN tensor has no storage to copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -103,15 +106,27 @@ class PackedLinear(torch.nn.Linear):
                 (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or \
                 x.shape[-1] != w.shape[1] or x.numel() == 0:
             return super().forward(x)
-        key = (w.data_ptr(), tuple(w.shape), w._version)
+        # (the weight it was packed from, kept alive so no other tensor takes its address; its
+        # version then; the packed copy)
         packed = self.__dict__.get("_packed")
-        if packed is None or packed[0] != key:
-            packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        if packed is None or packed[0].data_ptr() != w.data_ptr() or \
+                packed[0].shape != w.shape or packed[1] != w._version:
+            source = w.detach()
+            packed = (source, w._version, torch.ops.mkldnn._reorder_linear_weight(source, None))
             self.__dict__["_packed"] = packed
         bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed[1], bias,
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed[2], bias,
                                                  "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_packed", None)  # another device or dtype: packed again when used
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)
+        return state
 
 
 def use_packed_lm_head(model) -> bool:
