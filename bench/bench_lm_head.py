@@ -1,5 +1,4 @@
-"""An LM head's inference product on the CPU (fp32): nn.Linear (a BLAS call, which packs the
-weight anew at every call) against hf.PackedLinear (a oneDNN copy of the weight packed once),
+"""An LM head's inference product on the CPU (fp32): nn.Linear (one BLAS call per product) against hf.PackedLinear (a oneDNN copy of the weight packed once),
 at the row counts a round brings — 1 (an autoregressive step), a tree's rows (tree 16: 17), a
 drafter block's (15), a batch's. The two alternate call by call on the same inputs (the
 machine's drift hits both alike); medians of each one's calls, and the largest |difference|.

@@ -88,9 +88,8 @@ def uses_tree_attention(model) -> bool:
 
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear whose inference products on the CPU in fp32 run on a oneDNN copy of its
-    weight packed once (torch's `mkldnn._linear_pointwise`), instead of a BLAS call that packs
-    the weight again at every call: for an LM head that is most of the call's time at a few rows
-    (docs/generation.md: 1.6-3.4x at 2-32 rows on a 2-core CPU). Everything else (grad mode with
+    weight packed once (torch's `mkldnn._linear_pointwise`), instead of one BLAS call per product:
+    for an LM head 1.6-3.4x as fast at 2-32 rows on a 2-core CPU (docs/generation.md). Everything else (grad mode with
     anything requiring grad, other devices or dtypes, tensor subclasses such as a sharded
     weight) is nn.Linear's own forward. The module keeps its parameters (state
     dict, tied embeddings unchanged). The packed copy (as large as the weight) is a plain
