@@ -1,7 +1,7 @@
 """Tokens per second against batch size on the embedded pair: autoregressive, DFlash chain, DDTree
 at fixed budgets and budget="auto", median and spread over the repeats (modes interleaved per
 group of requests, the order alternating, the fast modes twice in a palindrome and
-autoregressive / auto at least 8 times a batch size; ratios paired per repeat, then their
+autoregressive / auto at least 16 times a batch size; ratios paired per repeat, then their
 median); every
 mode checked token-for-token against autoregressive; auto's chosen budget per round as a
 histogram per batch size, its calibrated predicted vs observed tokens per round, and a record
@@ -44,7 +44,7 @@ MODES = [("autoregressive", None), ("tree", "auto"), ("chain", None), ("tree", 8
 FAST = 5  # MODES[:FAST] run twice per group, in a palindrome (schedule)
 # Autoregressive / auto runs of each at least, per batch size and repeat: where auto runs plain
 # its ratio is the benchmark's own noise (same code path), about +-4 % a repeat with 4 on this VM.
-PAIRS_PER_BATCH = 8
+PAIRS_PER_BATCH = 16
 
 
 def schedule(flip: bool, groups: int):

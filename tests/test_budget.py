@@ -643,11 +643,16 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
                   "measured_ms": [100.0, 110.0], "measured_speedup": 100 / 110,
                   "plain_runs": cost_aware.AutoBudget.REFRESH_AFTER}
 
-    def judged(loop_ms):
+    def judged(loop_ms, drafted="best expected tokens/s"):
+        """A re-check of learn_min_rounds rounds, the middle one a tree 8 chosen for `drafted`
+        (every other round autoregressive)."""
         policy = cost_aware.AutoBudget(pair, prior=good_gains)
         assert not policy.plain_autoregressive(2, 15) and policy.rechecking
         policy.start(2, 15, "cpu")
-        policy.choices = [0] * policy.learn_min_rounds
+        rounds = policy.learn_min_rounds
+        policy.choices = [8 if i == rounds // 2 else 0 for i in range(rounds)]
+        policy.reasons = [drafted if i == rounds // 2 else "best expected tokens/s"
+                          for i in range(rounds)]
         policy.observe_generation(loop_ms, [20, 20])
         return policy.finish([1.0, 1.0])
 
@@ -659,6 +664,10 @@ def test_when_a_whole_generation_runs_plain_autoregressive():
     assert faster["measured_speedup"] == pytest.approx(1.25)
     assert "refresh_after" not in faster  # back to REFRESH_AFTER
     assert not cost_aware.AutoBudget(pair, prior=faster).plain_autoregressive(2, 15)
+    # Faster, but only a probe drafted: its speed-up is plain rounds' (noise), not drafting's.
+    probed = judged(160.0, drafted="probe")
+    assert probed["measured_speedup"] == pytest.approx(1.25)
+    assert probed["refresh_after"] == doubled
     # A re-check where trees pay (priced below an autoregressive round) drafts from its start.
     cheap = profile({0: 10.0, 4: 1.0, 8: 1.1, 16: 1.2, 32: 1.3, 64: 1.4}, batch=2)
     paying = cost_aware.AutoBudget(cheap, learn_costs=False, prior={

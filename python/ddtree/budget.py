@@ -558,12 +558,14 @@ class AutoBudget:
         `learn_min_rounds` rounds leaves those gains, the measured speed-up and the requests
         learned from as they were). A re-check's own measured speed-up replaces the learned one
         (that one is older than the plain generations since, and is what the re-check tests);
-        where it is below 1, or none was measured, the plain generations before the next
-        re-check double (up to REFRESH_MAX)."""
+        where it is below 1, or none was measured, or no round of it drafted on its expected
+        gains (drafted_on_gains: its speed-up is then plain rounds' and a few probes'), the
+        plain generations before the next re-check double (up to REFRESH_MAX)."""
         prior = self.prior or {}
         learned = dict(calibration=list(calibration_sums), cost_ratios=self.cost_ratios,
                        relative_costs=self.relative_costs(self.initial_batch))
-        if self.rechecking and not (self.measured_speedup or 0.0) >= 1.0:
+        if self.rechecking and not (self.drafted_on_gains() and
+                                    (self.measured_speedup or 0.0) >= 1.0):
             learned["refresh_after"] = min(self.REFRESH_MAX, 2 * self.refresh_after())
         if len(self.choices) < self.learn_min_rounds:
             for key in ("expected_per_request", "measured_ms", "measured_speedup",
@@ -624,9 +626,10 @@ class AutoBudget:
         a few batches' the more.
         After refresh_after() such generations one re-checks (`rechecking`): it runs as a
         drafting generation, its rounds chosen as any generation's, and its own measured
-        speed-up replaces the learned one (finish); where that is still below 1 the plain
-        generations before the next re-check double (up to REFRESH_MAX: drafting that keeps not
-        paying costs ever fewer re-checks). A re-check judged on its first drafted round alone
+        speed-up replaces the learned one (finish); where that is still below 1, or where none
+        of its rounds drafted on its expected gains (only probes did), the plain generations
+        before the next re-check double (up to REFRESH_MAX: drafting that keeps not paying costs
+        ever fewer re-checks). A re-check judged on its first drafted round alone
         was tried: one round's per-request estimates are single drafts, and the batch is priced
         by its least confident request, so it found drafting not paying where whole generations
         measured it paying (docs/budgets.md)."""
@@ -687,6 +690,11 @@ class AutoBudget:
         """Plain generations on learned gains before the next re-check: REFRESH_AFTER after a
         drafting generation, doubled by each re-check that did not pay since."""
         return (self.prior or {}).get("refresh_after", self.REFRESH_AFTER)
+
+    def drafted_on_gains(self) -> bool:
+        """Whether a round of this generation drafted because its expected gain paid (choose:
+        not a probe, not an autoregressive round)."""
+        return any(b > 0 and why != "probe" for b, why in zip(self.choices, self.reasons))
 
     def record_autoregressive(self, rounds: int) -> None:
         """A plain autoregressive generation of `rounds` rounds (plain_autoregressive)."""
