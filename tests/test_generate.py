@@ -1037,10 +1037,52 @@ def test_packed_lm_head_computes_the_linear_and_keeps_the_module():
     assert not hf.use_packed_lm_head(torch.nn.Module())  # no LM head: nothing changed
 
 
+def test_packed_linears_keep_the_modules_and_compute_the_linear():
+    """hf.use_packed_linears: plain nn.Linear modules of at least min_elements weight elements
+    (not the LM head) become PackedLinear for products of at least min_rows rows — the same
+    modules and parameters; fewer rows are nn.Linear's product exactly, more equal it to
+    rounding; idempotent; the cost profile's model key sees it; bad arguments are named."""
+    from ddtree import budget, hf
+
+    target = tiny_target(seed=3)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN: use_packed_linears changes nothing")
+    head = target.get_output_embeddings()
+    linears = [m for m in target.modules() if type(m) is torch.nn.Linear and m is not head]
+    big = max(m.weight.numel() for m in linears)
+    params = {n: p for n, p in target.named_parameters()}
+    state = {k: v.clone() for k, v in target.state_dict().items()}
+    key = budget._model_key(target)
+    changed = hf.use_packed_linears(target, min_rows=3, min_elements=big)
+    packed = [m for m in linears if isinstance(m, hf.PackedLinear)]
+    assert changed == len(packed) == sum(m.weight.numel() >= big for m in linears) > 0
+    assert type(head) is torch.nn.Linear  # the head is use_packed_lm_head's
+    assert all(type(m) is torch.nn.Linear for m in linears if m.weight.numel() < big)
+    assert {n: p for n, p in target.named_parameters()} == params
+    assert all(torch.equal(state[k], v) for k, v in target.state_dict().items())
+    assert budget._model_key(target) != key
+    assert hf.use_packed_linears(target, min_rows=3, min_elements=big) == 0  # idempotent
+    module = packed[0]
+    with torch.no_grad():
+        for rows in (1, 2, 3, 9, 17):
+            x = torch.randn(rows, module.in_features)
+            want = torch.nn.functional.linear(x, module.weight, module.bias)
+            if rows < 3:
+                assert torch.equal(module(x), want)
+            else:
+                torch.testing.assert_close(module(x), want)
+    for bad in ({"min_rows": 0}, {"min_rows": 1.5}, {"min_elements": -1}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name):
+            hf.use_packed_linears(tiny_target(seed=3), **bad)
+
+
 @pytest.mark.parametrize("mode,budget", [("tree", 16), ("tree", "auto"), ("autoregressive", 0)])
-def test_lossless_with_the_packed_lm_head(mode, budget):
-    """The loop with a packed LM head (the verify pass's tree rows, the drafter's block rows)
-    emits the plain model's greedy tokens."""
+@pytest.mark.parametrize("linears", [False, True], ids=["head", "head+linears"])
+def test_lossless_with_the_packed_lm_head(mode, budget, linears):
+    """The loop with a packed LM head (the verify pass's tree rows, the drafter's block rows),
+    and with every other linear of the target and the drafter packed for products of 2 rows or
+    more, emits the plain model's greedy tokens."""
     import copy
 
     from ddtree import hf
@@ -1049,8 +1091,12 @@ def test_lossless_with_the_packed_lm_head(mode, budget):
     target = tiny_target(seed=3)
     truths = [greedy_reference(target, torch.tensor([p]), 20) for p in PROMPTS]
     packed = copy.deepcopy(target)
+    drafter = tiny_drafter()
     if not hf.use_packed_lm_head(packed):
         pytest.skip("torch built without oneDNN: use_packed_lm_head leaves the head as it is")
-    got = generate_batch(packed, tiny_drafter(), [torch.tensor(p) for p in PROMPTS], 20,
+    if linears:
+        assert hf.use_packed_linears(packed, min_elements=0) > 0
+        assert hf.use_packed_linears(drafter, min_elements=0) > 0
+    got = generate_batch(packed, drafter, [torch.tensor(p) for p in PROMPTS], 20,
                          mode=mode, budget=budget)
     assert [r.tokens for r in got] == truths

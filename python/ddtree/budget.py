@@ -124,8 +124,8 @@ class Calibration:
 def _model_key(model) -> str:
     """The architecture (config without its path, parameter shapes) and the attention path (the
     target's attention implementation, the drafter's fused_attention setting, the LM head's
-    class: hf.PackedLinear or not): what a round's cost depends on. Weight values do not
-    matter, so no device read."""
+    class: hf.PackedLinear or not, each other linear's packed_min_rows): what a round's cost
+    depends on. Weight values do not matter, so no device read."""
     if model is None:
         return "none"
     cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
@@ -133,7 +133,9 @@ def _model_key(model) -> str:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     cfg["ddtree_attention_path"] = [getattr(model.config, "_attn_implementation", None),
                                     str(getattr(model, "fused_attention", None)),
-                                    type(head).__name__]
+                                    type(head).__name__,
+                                    [m.__dict__.get("packed_min_rows") for m in model.modules()
+                                     if type(m).__name__ == "PackedLinear" and m is not head]]
     shapes = [list(p.shape) for p in model.parameters()]
     text = json.dumps([cfg, shapes], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

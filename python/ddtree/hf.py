@@ -96,14 +96,17 @@ class PackedLinear(torch.nn.Linear):
     attribute, made on the first product and again when the weight is another tensor or was
     changed in place through the parameter (its version; changes through `.data` are not seen,
     as autograd does not see them); dropped by `.to()` / `.float()` / `.cuda()` and the like,
-    and left out of copies and pickles (an opaque oneDNN tensor has no storage to copy)."""
+    and left out of copies and pickles (an opaque oneDNN tensor has no storage to copy).
+    `packed_min_rows` (instance attribute, default 1): products of fewer rows are nn.Linear's
+    (use_packed_linears)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if type(x) is not torch.Tensor or type(w.data) is not torch.Tensor or \
                 x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or \
                 (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or \
-                x.shape[-1] != w.shape[1] or x.numel() == 0:
+                x.shape[-1] != w.shape[1] or \
+                x.numel() < self.__dict__.get("packed_min_rows", 1) * w.shape[1] or x.numel() == 0:
             return super().forward(x)
         # (the weight it was packed from, kept alive so no other tensor takes its address; its
         # version then; the packed copy)
@@ -140,3 +143,37 @@ def use_packed_lm_head(model) -> bool:
         return False
     head.__class__ = PackedLinear
     return True
+
+
+# use_packed_linears' defaults, chosen in the decoding loop of the embedded pair on a 2-core
+# x86-64 CPU (bench/bench_packed_linears.py, docs/generation.md): its 768 x 256 / 256 x 768
+# weights packed for products of 2 rows or more, generation 1.03-1.11x as fast at batch 1-4;
+# with its 512 x 256 / 256 x 512 ones too, no faster at batch 4; every linear at every row count
+# (1 row included), autoregressive decoding 0.78x.
+PACKED_MIN_ROWS = 2
+PACKED_MIN_ELEMENTS = 768 * 256
+
+
+def use_packed_linears(model, min_rows: int = PACKED_MIN_ROWS,
+                       min_elements: int = PACKED_MIN_ELEMENTS) -> int:
+    """Every plain nn.Linear of `model` whose weight holds at least `min_elements` becomes a
+    PackedLinear for products of at least `min_rows` rows (a tree's verify rows, a drafter's
+    block rows, a batch's autoregressive rows; fewer rows keep nn.Linear's product): the same
+    modules and parameters. The LM head is use_packed_lm_head's (every row count). Returns how
+    many modules changed; 0 where torch has no oneDNN. Idempotent."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    if not isinstance(min_rows, int) or min_rows < 1:
+        raise ValueError(f"use_packed_linears: min_rows must be an int >= 1, got {min_rows!r}")
+    if not isinstance(min_elements, int) or min_elements < 0:
+        raise ValueError(f"use_packed_linears: min_elements must be an int >= 0, got "
+                         f"{min_elements!r}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    changed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module is not head and \
+                module.weight.numel() >= min_elements:
+            module.__class__ = PackedLinear
+            module.packed_min_rows = min_rows
+            changed += 1
+    return changed

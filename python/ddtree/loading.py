@@ -14,7 +14,8 @@ def text_config(config):
 
 def load_target(path: str, dtype: torch.dtype = torch.float32, device="cpu"):
     """A transformers causal LM from a local directory, in eval mode on `device`, its LM head's
-    CPU fp32 inference products on a packed weight (hf.use_packed_lm_head)."""
+    CPU fp32 inference products on a packed weight (hf.use_packed_lm_head), and its other
+    linears' of several rows (hf.use_packed_linears)."""
     from transformers import AutoModelForCausalLM
 
     from . import hf
@@ -22,6 +23,7 @@ def load_target(path: str, dtype: torch.dtype = torch.float32, device="cpu"):
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                  local_files_only=True).to(device).eval()
     hf.use_packed_lm_head(model)
+    hf.use_packed_linears(model)
     return model
 
 
@@ -32,9 +34,13 @@ def load_tokenizer(path: str):
 
 
 def load_drafter(path: Optional[str], dtype: torch.dtype = torch.float32, device="cpu"):
-    """A DFlash drafter (the published checkpoint format), or None without a path."""
+    """A DFlash drafter (the published checkpoint format), or None without a path; its linears'
+    CPU fp32 inference products of several rows on packed weights (hf.use_packed_linears)."""
     if path is None:
         return None
+    from . import hf
     from .models import DFlashDrafter
 
-    return DFlashDrafter.from_pretrained(str(path), dtype=dtype).to(device)
+    drafter = DFlashDrafter.from_pretrained(str(path), dtype=dtype).to(device)
+    hf.use_packed_linears(drafter)
+    return drafter
