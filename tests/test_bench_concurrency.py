@@ -32,10 +32,10 @@ def test_concurrency_benchmark_runs_and_records_auto(tmp_path):
             assert row["vs_autoregressive"] == 1.0
         if row["mode"] != "tree auto":
             continue
-        # Two requests: two groups at batch 1 and one at batch 2, auto at least 16 times per
+        # Two requests: two groups at batch 1 and one at batch 2, auto at least 8 times per
         # batch size (PAIRS_PER_BATCH), each generation recorded in order.
         generations = row["generations"]
-        assert len(generations) >= 16
+        assert len(generations) >= 8
         if row["batch"] == 1:  # one request per generation: each round is a request-round
             for bucket, count in row["chosen_budgets"].items():
                 assert sum(n for g in generations for key, n in g["rounds_by_choice"].items()

@@ -1041,7 +1041,8 @@ def test_packed_linears_keep_the_modules_and_compute_the_linear():
     """hf.use_packed_linears: plain nn.Linear modules of at least min_elements weight elements
     (not the LM head) become PackedLinear for products of at least min_rows rows — the same
     modules and parameters; fewer rows are nn.Linear's product exactly, more equal it to
-    rounding; idempotent; the cost profile's model key sees it; bad arguments are named."""
+    rounding; idempotent; a bf16 model is left as it is; the cost profile's model key sees it;
+    bad arguments are named."""
     from ddtree import budget, hf
 
     target = tiny_target(seed=3)
@@ -1071,6 +1072,7 @@ def test_packed_linears_keep_the_modules_and_compute_the_linear():
                 assert torch.equal(module(x), want)
             else:
                 torch.testing.assert_close(module(x), want)
+    assert hf.use_packed_linears(tiny_target(seed=3).to(torch.bfloat16), min_elements=0) == 0
     for bad in ({"min_rows": 0}, {"min_rows": 1.5}, {"min_elements": -1}):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):

@@ -156,11 +156,13 @@ PACKED_MIN_ELEMENTS = 768 * 256
 
 def use_packed_linears(model, min_rows: int = PACKED_MIN_ROWS,
                        min_elements: int = PACKED_MIN_ELEMENTS) -> int:
-    """Every plain nn.Linear of `model` whose weight holds at least `min_elements` becomes a
-    PackedLinear for products of at least `min_rows` rows (a tree's verify rows, a drafter's
-    block rows, a batch's autoregressive rows; fewer rows keep nn.Linear's product): the same
-    modules and parameters. The LM head is use_packed_lm_head's (every row count). Returns how
-    many modules changed; 0 where torch has no oneDNN. Idempotent."""
+    """Every plain nn.Linear of `model` whose weight is a CPU fp32 one of at least
+    `min_elements` elements becomes a PackedLinear for products of at least `min_rows` rows (a
+    tree's verify rows, a drafter's block rows, a batch's autoregressive rows; fewer rows keep
+    nn.Linear's product): the same modules and parameters. Models on a GPU or in another dtype
+    are left as they are (no check per product there). The LM head is use_packed_lm_head's
+    (every row count). Returns how many modules changed; 0 where torch has no oneDNN.
+    Idempotent."""
     if not torch.backends.mkldnn.is_available():
         return 0
     if not isinstance(min_rows, int) or min_rows < 1:
@@ -172,6 +174,7 @@ def use_packed_linears(model, min_rows: int = PACKED_MIN_ROWS,
     changed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module is not head and \
+                module.weight.device.type == "cpu" and module.weight.dtype == torch.float32 and \
                 module.weight.numel() >= min_elements:
             module.__class__ = PackedLinear
             module.packed_min_rows = min_rows
