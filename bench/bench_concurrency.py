@@ -2,11 +2,11 @@
 at fixed budgets and budget="auto", median and spread over the repeats (modes interleaved per
 group of requests, the order alternating, the fast modes twice in a palindrome and
 autoregressive / auto at least 8 times a batch size, 16 where it is one group; ratios paired
-per repeat, then their median); every mode checked token-for-token against autoregressive; auto's chosen budget per round as a
-histogram per batch size, its calibrated predicted vs observed tokens per round, and a record
-of each of its generations (drafted request-rounds, rounds per choice and reason, measured
-speed-up, the plain decoding time it estimated next to the same requests' real autoregressive
-time).
+per repeat, then their median); every mode checked token-for-token against autoregressive;
+auto's chosen budget per round as a histogram per batch size, its calibrated predicted vs
+observed tokens per round, and a record of each of its generations (drafted request-rounds,
+rounds per choice and reason, measured speed-up, the plain decoding time it estimated next to
+the same requests' real autoregressive time).
 
   python bench/bench_concurrency.py [--batches 1 2 4 16 32] [--requests 16] [--new-tokens 96]
                                     [--repeats 3] [--json F] [--plot F] [--device cpu|cuda]

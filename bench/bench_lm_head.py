@@ -7,7 +7,8 @@ machine's drift hits both alike); medians of each one's calls, and the largest |
                                 [--calls 200] [--json F]
 
 256x4096 is the embedded pair's head (hidden 256, vocabulary 4096); 1024x32000 a larger one
-(128 MB in fp32).
+(128 MB in fp32). Any linear's weight the same way (--shapes IN x OUT: the embedded pair's
+projections are 256x768 and 768x256, bench/results/packed_linears_cpu.json).
 """
 import argparse
 import json
