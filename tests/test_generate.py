@@ -1073,7 +1073,7 @@ def test_packed_linears_keep_the_modules_and_compute_the_linear():
             else:
                 torch.testing.assert_close(module(x), want)
     assert hf.use_packed_linears(tiny_target(seed=3).to(torch.bfloat16), min_elements=0) == 0
-    for bad in ({"min_rows": 0}, {"min_rows": 1.5}, {"min_elements": -1}):
+    for bad in ({"min_rows": 0}, {"min_rows": 1.5}, {"min_rows": True}, {"min_elements": -1}):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             hf.use_packed_linears(tiny_target(seed=3), **bad)

@@ -163,13 +163,13 @@ def use_packed_linears(model, min_rows: int = PACKED_MIN_ROWS,
     are left as they are (no check per product there). The LM head is use_packed_lm_head's
     (every row count). Returns how many modules changed; 0 where torch has no oneDNN.
     Idempotent."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    if not isinstance(min_rows, int) or min_rows < 1:
+    if type(min_rows) is not int or min_rows < 1:
         raise ValueError(f"use_packed_linears: min_rows must be an int >= 1, got {min_rows!r}")
-    if not isinstance(min_elements, int) or min_elements < 0:
+    if type(min_elements) is not int or min_elements < 0:
         raise ValueError(f"use_packed_linears: min_elements must be an int >= 0, got "
                          f"{min_elements!r}")
+    if not torch.backends.mkldnn.is_available():
+        return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     changed = 0
     for module in model.modules():
