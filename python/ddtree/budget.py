@@ -130,12 +130,14 @@ def _model_key(model) -> str:
         return "none"
     cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
     cfg.pop("_name_or_path", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    from . import hf
+
+    head = hf.lm_head(model)
     cfg["ddtree_attention_path"] = [getattr(model.config, "_attn_implementation", None),
                                     str(getattr(model, "fused_attention", None)),
                                     type(head).__name__,
-                                    [m.__dict__.get("packed_min_rows") for m in model.modules()
-                                     if type(m).__name__ == "PackedLinear" and m is not head]]
+                                    [getattr(m, "packed_min_rows", None) for m in model.modules()
+                                     if isinstance(m, hf.PackedLinear) and m is not head]]
     shapes = [list(p.shape) for p in model.parameters()]
     text = json.dumps([cfg, shapes], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

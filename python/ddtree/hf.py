@@ -86,6 +86,11 @@ def uses_tree_attention(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == NAME
 
 
+def lm_head(model):
+    """The model's output embeddings (its LM head), or None where it has none."""
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear whose inference products on the CPU in fp32 run on a oneDNN copy of its
     weight packed once (torch's `mkldnn._linear_pointwise`), instead of one BLAS call per product:
@@ -102,11 +107,11 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if type(x) is not torch.Tensor or type(w.data) is not torch.Tensor or \
+        if x.numel() < self.__dict__.get("packed_min_rows", 1) * w.shape[1] or \
+                type(x) is not torch.Tensor or type(w.data) is not torch.Tensor or \
                 x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or \
                 (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or \
-                x.shape[-1] != w.shape[1] or \
-                x.numel() < self.__dict__.get("packed_min_rows", 1) * w.shape[1] or x.numel() == 0:
+                x.shape[-1] != w.shape[1] or x.numel() == 0:
             return super().forward(x)
         # (the weight it was packed from, kept alive so no other tensor takes its address; its
         # version then; the packed copy)
@@ -136,7 +141,7 @@ def use_packed_lm_head(model) -> bool:
     parameters, faster CPU fp32 inference products (the verify pass's tree rows, the drafter's
     block rows). Idempotent; False (nothing changed) where the head is not an nn.Linear or torch
     has no oneDNN."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = lm_head(model)
     if isinstance(head, PackedLinear):
         return True
     if type(head) is not torch.nn.Linear or not torch.backends.mkldnn.is_available():
@@ -147,9 +152,10 @@ def use_packed_lm_head(model) -> bool:
 
 # use_packed_linears' defaults, chosen in the decoding loop of the embedded pair on a 2-core
 # x86-64 CPU (bench/bench_packed_linears.py, docs/generation.md): its 768 x 256 / 256 x 768
-# weights packed for products of 2 rows or more, generation 1.03-1.11x as fast at batch 1-4;
-# with its 512 x 256 / 256 x 512 ones too, no faster at batch 4; every linear at every row count
-# (1 row included), autoregressive decoding 0.78x.
+# weights packed for products of 2 rows or more, generation 1.00-1.11x as fast at batch 1-4
+# (autoregressive at batch 1 1.00x, trees 1.07-1.10x); with its 512 x 256 / 256 x 512 ones too,
+# batch 4's trees no faster (tree 8 1.00x, tree 16 0.97x, an in-process run); every linear at
+# every row count (1 row included), autoregressive decoding 0.78x.
 PACKED_MIN_ROWS = 2
 PACKED_MIN_ELEMENTS = 768 * 256
 
@@ -170,7 +176,7 @@ def use_packed_linears(model, min_rows: int = PACKED_MIN_ROWS,
                          f"{min_elements!r}")
     if not torch.backends.mkldnn.is_available():
         return 0
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = lm_head(model)
     changed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module is not head and \
