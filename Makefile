@@ -41,12 +41,12 @@ test-fast: build
 # off (CPython and torch keep allocations until exit), every other report fails the run.
 # test-tsan: the emulator's race detector (ThreadSanitizer with every emulated thread a fiber,
 # see csrc/simt/emulator.cpp) over the emulated kernels, one OS thread; a data race fails the run.
-ASAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py tests/test_sharded_topk.py \
-	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
-	tests/test_draft_attention.py tests/test_simt_emulator.py tests/test_fuzz.py tests/test_hostile_inputs.py
-TSAN_TESTS ?= tests/test_tree_ops.py tests/test_tree_visibility.py tests/test_tree_topk.py tests/test_sharded_topk.py \
-	tests/test_verify_sample.py tests/test_recurrent.py tests/test_tree_attention.py \
-	tests/test_draft_attention.py tests/test_simt_emulator.py
+ASAN_TESTS ?= tests/test_ops_tree.py tests/test_ops_visibility.py tests/test_ops_topk.py tests/test_ops_sharded_topk.py \
+	tests/test_ops_verify_sample.py tests/test_ops_recurrent.py tests/test_ops_tree_attention.py \
+	tests/test_ops_draft_attention.py tests/test_ops_simt_emulator.py tests/test_ops_fuzz.py tests/test_ops_hostile_inputs.py
+TSAN_TESTS ?= tests/test_ops_tree.py tests/test_ops_visibility.py tests/test_ops_topk.py tests/test_ops_sharded_topk.py \
+	tests/test_ops_verify_sample.py tests/test_ops_recurrent.py tests/test_ops_tree_attention.py \
+	tests/test_ops_draft_attention.py tests/test_ops_simt_emulator.py
 define sanitized_build
 	rm -rf build/$(1)/python && mkdir -p build/$(1)/python
 	cp -r python/ddtree build/$(1)/python/ && rm -f build/$(1)/python/ddtree/_C*.so
@@ -71,7 +71,7 @@ demo: build
 
 # Retrains the embedded target + DFlash drafter (python/ddtree/embedded_pair; ~35 min on 2 cores).
 embedded-pair: $(STAMP)
-	PYTHONPATH=python $(VPY) -m ddtree.embedded
+	PYTHONPATH=python $(VPY) -m ddtree.train.embedded_pair
 
 # C++ microbenchmarks (no libtorch): CPU targets always, CUDA targets when CMake finds nvcc.
 bench-cpp: $(STAMP)
@@ -87,7 +87,7 @@ bench-cpu: bench-cpp
 # venv's dependencies but not this checkout, then the smoke tests from the unpacked sdist and the
 # demo run against the installed package.
 SDIST_DIR := build/sdist
-SDIST_TESTS ?= tests/test_build.py tests/test_readme.py tests/test_tree_ops.py tests/test_repository.py
+SDIST_TESTS ?= tests/test_build.py tests/test_readme.py tests/test_ops_tree.py tests/test_repository.py
 sdist-check: $(STAMP)
 	rm -rf $(SDIST_DIR) && mkdir -p $(SDIST_DIR)
 	$(VPY) setup.py -q sdist -d $(SDIST_DIR) > $(SDIST_DIR)/sdist.log 2>&1

@@ -136,7 +136,8 @@ setup(
     version=version,
     description="Tree speculative decoding for block-diffusion drafters (DDTree) as torch ops",
     package_dir={"": "python"},
-    packages=["ddtree", "ddtree.models"],
+    packages=["ddtree", "ddtree.ops", "ddtree.parallel", "ddtree.models", "ddtree.budget",
+              "ddtree.generate", "ddtree.train", "ddtree.integrations", "ddtree.cli"],
     # the embedded target + DFlash drafter pair (ddtree.embedded)
     package_data={"ddtree": ["embedded_pair/*.json", "embedded_pair/*.jsonl",
                              "embedded_pair/target/*", "embedded_pair/drafter/*"]},

@@ -10,7 +10,7 @@ import argparse
 import json
 
 import torch
-from timing import median_time
+from timing import median_time, write_result
 
 import ddtree
 
@@ -115,8 +115,7 @@ def main():
                   f"{str(dtype)[6:]:>9} | {r['unfused_ms']:>8.2f}ms {r['ours_ms']:>7.2f}ms "
                   f"{r['ratio']:>5.2f}x | {r['max_abs_diff']:.1e}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_result(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import json
 import torch
 
 import ddtree
-from ddtree import reference
+from ddtree.ops import reference
+from timing import write_result  # noqa: E402
 
 try:
     from flash_attn import flash_attn_func
@@ -144,8 +145,7 @@ def main():
               f"({r['speedup']:.2f}x), {r['tflops']:.2f} TFLOP/s, {r['gbps']:.0f} GB/s "
               f"({fraction(r['gbps'], peak_gbps)})", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_result(args.json, rows)
 
 
 if __name__ == "__main__":

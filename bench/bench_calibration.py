@@ -23,8 +23,9 @@ import sys
 import torch
 
 from ddtree import budget as cost_aware
-from ddtree import embedded, hf
+from ddtree import embedded, models
 from ddtree.generate import generate, generate_batch
+from timing import write_result  # noqa: E402
 
 GROUPS = (("0", 0, 1), ("1-5", 1, 6), ("6+", 6, None), ("all", 0, None))  # round positions
 
@@ -69,7 +70,7 @@ def main():
                      f"{args.prompts}")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, drafter, tokenizer = embedded.load(dtype=dtype, device=args.device)
-    hf.use_tree_attention(target)
+    models.use_tree_attention(target)
     texts = embedded.heldout_prompts(2 * args.prompts)
     if len(texts) < 2 * args.prompts:
         raise SystemExit(f"bench_calibration: --prompts {args.prompts} needs "
@@ -119,12 +120,10 @@ def main():
               f"{r['predicted_tokens']:>10.3f} {r['observed_tokens']:>9.3f} "
               f"{100 * r['error']:>6.1f}% {r['rounds']:>15}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=cost_aware.device_name(torch.device(args.device)),
-                           dtype=str(dtype), prompts=args.prompts, new_tokens=args.new_tokens,
-                           rows=rows, calibrated_bucket=args.calibrated_bucket,
-                           calibrated=after), f, indent=1)
-            f.write("\n")
+        write_result(args.json, dict(device=cost_aware.device_name(torch.device(args.device)),
+                                     dtype=str(dtype), prompts=args.prompts,
+                                     new_tokens=args.new_tokens, rows=rows,
+                                     calibrated_bucket=args.calibrated_bucket, calibrated=after))
     return 0
 
 

@@ -33,8 +33,9 @@ import time
 import torch
 
 from ddtree import budget as cost_aware
-from ddtree import embedded, hf
-from ddtree.generate import generate_batch
+from ddtree import embedded, models
+from ddtree.generate import calibrate, generate_batch
+from timing import write_result  # noqa: E402
 
 # Auto next to autoregressive: with the order alternating between groups, the two always run
 # back to back on the same requests (their ratio is the headline one).
@@ -111,14 +112,14 @@ def main():
         (torch.bfloat16 if args.device == "cuda" else torch.float32)
     target, drafter, tokenizer = embedded.load(dtype=dtype, device=args.device)
     if args.attention == "ddtree":
-        hf.use_tree_attention(target)
+        models.use_tree_attention(target)
     texts = embedded.heldout_prompts(max(args.requests, max(args.batches)))
     prompts = [tokenizer(t, return_tensors="pt").input_ids[0].to(args.device) for t in texts]
     # Every batch size and the smaller ones it shrinks to as requests finish.
     sizes = sorted({s for b in args.batches for s in [b, *cost_aware.shrink_sizes(b)]})
     measured = {}
     for size in sizes:
-        measured[size] = cost_aware.calibrate(target, drafter, size, use_cache=False)
+        measured[size] = calibrate(target, drafter, size, use_cache=False)
         print(f"cost profile, batch {size}: " + ", ".join(
             f"{b}: {ms:.1f} ms" for b, ms in sorted(measured[size].round_ms.items())),
             file=sys.stderr)
@@ -230,13 +231,12 @@ def main():
               f"{r['min']:>8.1f}-{r['max']:<8.1f} {r['vs_autoregressive']:>6.2f}x{extra}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(device=cost_aware.device_name(torch.device(args.device)),
-                           dtype=str(dtype), torch=torch.__version__, attention=args.attention,
-                           drafter_fused_attention=str(drafter.fused_attention),
-                           requests=args.requests,
-                           new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
-                           profiles={s: p.to_json() for s, p in measured.items()}), f, indent=1)
+        write_result(args.json, dict(device=cost_aware.device_name(torch.device(args.device)),
+                       dtype=str(dtype), torch=torch.__version__, attention=args.attention,
+                       drafter_fused_attention=str(drafter.fused_attention),
+                       requests=args.requests,
+                       new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
+                       profiles={s: p.to_json() for s, p in measured.items()}))
     if args.plot:
         plot(rows, args.batches, args.plot)
 

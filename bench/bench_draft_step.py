@@ -31,6 +31,7 @@ import torch
 
 from ddtree import embedded
 from ddtree.ops import Verdict
+from timing import write_result  # noqa: E402
 
 
 def continuation(target, tokenizer, text, new_tokens):
@@ -156,8 +157,7 @@ def main():
               f"(p25 {ratios['p25']:.3f}, p75 {ratios['p75']:.3f})")
     print(f"max |logit difference| against ddtree: {max_diff:.2e}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":

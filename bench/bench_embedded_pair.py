@@ -11,6 +11,7 @@ import os
 import torch
 
 from ddtree import demo
+from timing import write_result  # noqa: E402
 
 
 def main():
@@ -25,9 +26,8 @@ def main():
         raise SystemExit("bench_embedded_pair: a mode differs from autoregressive (lossless violated)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, threads=torch.get_num_threads(),
-                           prompts=args.prompts, new_tokens=args.new_tokens, rows=rows), f, indent=1)
+        write_result(args.json, dict(torch=torch.__version__, threads=torch.get_num_threads(),
+                       prompts=args.prompts, new_tokens=args.new_tokens, rows=rows))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""An LM head's inference product on the CPU (fp32): nn.Linear (one BLAS call per product) against hf.PackedLinear (a oneDNN copy of the weight packed once),
+"""An LM head's inference product on the CPU (fp32): nn.Linear (one BLAS call per product) against models.PackedLinear (a oneDNN copy of the weight packed once),
 at the row counts a round brings — 1 (an autoregressive step), a tree's rows (tree 16: 17), a
 drafter block's (15), a batch's. The two alternate call by call on the same inputs (the
 machine's drift hits both alike); medians of each one's calls, and the largest |difference|.
@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from ddtree import hf
+from ddtree import models
+from timing import write_result  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -30,7 +31,7 @@ def timed(fn) -> float:
 def measure(hidden: int, vocab: int, rows: int, calls: int) -> dict:
     torch.manual_seed(0)
     plain = torch.nn.Linear(hidden, vocab, bias=False)
-    packed = hf.PackedLinear(hidden, vocab, bias=False)
+    packed = models.PackedLinear(hidden, vocab, bias=False)
     packed.weight = plain.weight  # the same parameter
     x = torch.randn(rows, hidden)
     times = {"linear": [], "packed": []}
@@ -68,9 +69,8 @@ def main():
                   f"{r['packed_ms']:.3f} ms, {r['linear_over_packed']:.2f}x, max |diff| "
                   f"{r['max_abs_difference']:.1e}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, threads=torch.get_num_threads(),
-                           machine=platform.machine(), results=results), f, indent=1)
+        write_result(args.json, dict(torch=torch.__version__, threads=torch.get_num_threads(),
+                       machine=platform.machine(), results=results))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import ddtree
-from ddtree import hf
+from ddtree import models
 from ddtree.generate import generate_batch
 from ddtree.models import DFlashDrafter, dflash_config
+from timing import write_result  # noqa: E402
 
 
 def build(layers, hidden, heads, kv_heads, head_dim, vocab, device, dtype, hybrid=False):
@@ -36,7 +37,7 @@ def build(layers, hidden, heads, kv_heads, head_dim, vocab, device, dtype, hybri
     else:
         target = Qwen3ForCausalLM(Qwen3Config(**common))
     target = target.eval().to(device, dtype)
-    hf.use_tree_attention(target)
+    models.use_tree_attention(target)
     dcfg = dflash_config(dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
                               num_attention_heads=heads, num_key_value_heads=kv_heads,
                               head_dim=head_dim, intermediate_size=3 * hidden, block_size=16,
@@ -103,8 +104,7 @@ def main():
     for hybrid in (False, True):
         rows += run_model(dims, device, dtype, hybrid, args.new_tokens)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_result(args.json, rows)
 
 
 if __name__ == "__main__":

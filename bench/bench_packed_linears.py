@@ -1,5 +1,5 @@
 """The decoding loop on the embedded pair with its linears' products of several rows on packed
-weights (hf.use_packed_linears, what loading installs) against the same modules on nn.Linear's
+weights (models.use_packed_linears, what loading installs) against the same modules on nn.Linear's
 product (the LM head packed in both): autoregressive decoding, tree 8 and tree 16 at each batch
 size, total tokens/s of generate_batch over held-out prompts. The two settings alternate per
 mode and group of requests, the order reversed every other group (the machine's drift hits both
@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from ddtree import embedded, hf
+from ddtree import embedded, models
 from ddtree.generate import generate_batch
+from timing import write_result  # noqa: E402
 
 MODES = {"autoregressive": dict(mode="autoregressive"), "tree 8": dict(budget=8),
          "tree 16": dict(budget=16)}
@@ -25,7 +26,7 @@ MODES = {"autoregressive": dict(mode="autoregressive"), "tree 8": dict(budget=8)
 
 def packed_modules(*models):
     return [m for model in models for m in model.modules()
-            if isinstance(m, hf.PackedLinear) and "packed_min_rows" in m.__dict__]
+            if isinstance(m, models.PackedLinear) and "packed_min_rows" in m.__dict__]
 
 
 def main():
@@ -37,7 +38,7 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     target, drafter, tokenizer = embedded.load(dtype=torch.float32, device="cpu")
-    hf.use_tree_attention(target)
+    models.use_tree_attention(target)
     modules = packed_modules(target, drafter)
     if not modules:
         raise SystemExit("bench_packed_linears: no linear was packed (torch without oneDNN?)")
@@ -89,11 +90,10 @@ def main():
                   f"{row['packed_vs_autoregressive_linear']:.3f}x", flush=True)
     setting(True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, threads=torch.get_num_threads(),
-                           machine=platform.machine(), weights=[list(s) for s in shapes],
-                           requests=args.requests, new_tokens=args.new_tokens,
-                           repeats=args.repeats, rows=rows), f, indent=1)
+        write_result(args.json, dict(torch=torch.__version__, threads=torch.get_num_threads(),
+                       machine=platform.machine(), weights=[list(s) for s in shapes],
+                       requests=args.requests, new_tokens=args.new_tokens,
+                       repeats=args.repeats, rows=rows))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule  # noqa: E402
 
-from timing import median_time  # noqa: E402
+from timing import median_time  , write_result# noqa: E402
 
 import ddtree  # noqa: E402
-from ddtree import reference  # noqa: E402
+from ddtree.ops import reference  # noqa: E402
 
 L = 15
 
@@ -124,8 +124,7 @@ def main():
               f"{r['one_call_ms']:.2f} ms vs commit_recurrent_ per layer {r['per_layer_ms']:.2f} ms "
               f"({r['speedup']:.2f}x)", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(tree_gdn=rows, commit_layers=commits), f, indent=1)
+        write_result(args.json, dict(tree_gdn=rows, commit_layers=commits))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The draft top-k of a tensor-parallel round, two ways, same logits, same run (every rank):
 
   sharded : tree_topk_shard on this rank's V / S columns -> all-gather of (k + 1) int64 words per
-            row -> tree_topk_merge                       (ddtree.distributed.VocabShard.tree_topk)
+            row -> tree_topk_merge                       (ddtree.parallel.VocabShard.tree_topk)
   gathered: all-gather of the V / S logits per row -> tree_topk on all V columns
             (what a "colwise_gather_output" LM head does before any top-k)
 
@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import ddtree
-from ddtree import distributed
+from ddtree import parallel
+from timing import write_result  # noqa: E402
 
 L = 15
 
@@ -63,7 +64,7 @@ def main():
     full = (torch.randn(args.batch, L, V, generator=g) * 4).to(device)  # same on every rank
     local = full[..., offset:offset + width].contiguous()
     group = dist.group.WORLD
-    shard = distributed.VocabShard(torch.empty(width, 1, device=device), None, offset, V, group,
+    shard = parallel.VocabShard(torch.empty(width, 1, device=device), None, offset, V, group,
                                    world)
 
     def gathered():
@@ -92,8 +93,7 @@ def main():
         print(f"speed-up {row['speedup']:.2f}x; ids identical; max |logprob diff| "
               f"{row['max_logprob_diff']:.2e}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(row, f, indent=1)
+            write_result(args.json, row)
     dist.destroy_process_group()
     return 0
 

@@ -21,10 +21,10 @@ import platform
 
 import torch
 
-from timing import median_time  # noqa: E402
+from timing import median_time  , write_result# noqa: E402
 
 import ddtree
-from ddtree import reference
+from ddtree.ops import reference
 
 L = 15
 
@@ -150,9 +150,8 @@ def main():
               f"{c['one_read_ms']:.3f}ms  same: {c['same_chain']}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, threads=threads, read_gbps=read_bw,
-                           copy_gbps=copy_bw, tree=tree_rows, chain=chain_rows), f, indent=1)
+        write_result(args.json, dict(torch=torch.__version__, threads=threads, read_gbps=read_bw,
+                       copy_gbps=copy_bw, tree=tree_rows, chain=chain_rows))
 
 
 if __name__ == "__main__":

@@ -38,24 +38,24 @@ def golden():
 
 # Whole modules by what they cost; single slow tests carry @pytest.mark.slow themselves.
 MODULE_MARKS = {
-    "test_tensor_parallel.py": "distributed",
-    "test_long_runs.py": "long",
-    "test_embedded_pair.py": "slow",
-    "test_threads.py": "slow",
-    "test_budget.py": "slow",
-    "test_train.py": "slow",
-    "test_fuzz.py": "slow",
+    "test_parallel_tensor_parallel.py": "distributed",
+    "test_generate_long_runs.py": "long",
+    "test_train_embedded_pair.py": "slow",
+    "test_generate_threads.py": "slow",
+    "test_budget_policy.py": "slow",
+    "test_train_drafter.py": "slow",
+    "test_ops_fuzz.py": "slow",
 }
 
 
 # Single tests of other modules that take many seconds.
 SLOW_TESTS = (
     "test_cli.py::test_demo_runs_and_is_lossless",
-    "test_generate.py::test_sampling_is_distributed_as_target_sampling",
-    "test_generate.py::test_lossless_hybrid_target[autoregressive-qwen3_next]",
-    "test_generate.py::test_lossless_hybrid_target[tree-qwen3_next]",
-    "test_generate.py::test_budget_above_the_vocabulary",
-    "test_tree_topk.py::test_cpu_baseline_isa_loops",
+    "test_generate_loop.py::test_sampling_is_distributed_as_target_sampling",
+    "test_generate_loop.py::test_lossless_hybrid_target[autoregressive-qwen3_next]",
+    "test_generate_loop.py::test_lossless_hybrid_target[tree-qwen3_next]",
+    "test_generate_loop.py::test_budget_above_the_vocabulary",
+    "test_ops_topk.py::test_cpu_baseline_isa_loops",
 )
 
 
@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How many trees the fuzz tests checked (tests/test_fuzz.py), per op and backend."""
+    """How many trees the fuzz tests checked (tests/test_ops_fuzz.py), per op and backend."""
     import sys
 
     fuzz = sys.modules.get("test_fuzz")

@@ -13,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from ddtree.models import DFlashDrafter, dflash_config  # noqa: E402
-from ddtree.models.dflash import ContextRows  # noqa: E402
+from ddtree.models.draft_rows import ContextRows  # noqa: E402
+from ddtree.budget import Policy  # noqa: E402
 
 
 # ---- kernel backends ----
@@ -175,14 +176,19 @@ def propose(drafter, target, bonus: torch.Tensor, features, cache,
 
 # ---- test policies and strategies ----
 
-class ScriptedBudgets:
+class ScriptedBudgets(Policy):
     """A budget="auto" policy that plays a fixed sequence of buckets (0 = autoregressive round)
     and records the statistics each round hands back."""
 
     def __init__(self, sequence):
         self.sequence, self.choices, self.stats, self.sizes = list(sequence), [], [], []
 
-    def start(self, batch, depth, device):
+    def observe_round(self, report):
+        if report.ms is not None:
+            self.observe_cost(report.bucket, report.ms)
+        self.observe(report.stats)
+
+    def observe_cost(self, bucket, ms):
         pass
 
     def choose(self):

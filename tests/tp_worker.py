@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel test job (tests/test_tensor_parallel.py starts it under torchrun
+"""One rank of the tensor-parallel test job (tests/test_parallel_tensor_parallel.py starts it under torchrun
 with 2 processes, gloo on CPU, DDTREE_TP_CHECK=1): loads the targets with tp_plan "auto", runs the
 speculative loop, and writes what it saw to OUT/rank{R}.json for the test to judge.
 
@@ -17,9 +17,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from ddtree import distributed, embedded, ops, reference  # noqa: E402
+from ddtree import embedded, ops, parallel
+from ddtree.ops import reference  # noqa: E402
 from ddtree.generate import generate, generate_batch  # noqa: E402
 from ddtree import budget as cost_aware  # noqa: E402
+from ddtree.generate import calibrate  # noqa: E402
 from helpers import BatchOracle, greedy_reference, ScriptedBudgets, tiny_drafter  # noqa: E402
 
 
@@ -28,7 +30,7 @@ class ShardedOracle(BatchOracle):
     sharded LM head does: the loop then takes the sharded top-k."""
 
     def begin(self, target, prompt_hidden_states, capacity, cuda_graph=False):
-        self.shard = distributed.vocab_shard(target)
+        self.shard = parallel.vocab_shard(target)
         return super().begin(target, prompt_hidden_states, capacity, cuda_graph)
 
     def step(self, bonus, depth=None):
@@ -58,10 +60,10 @@ def main(out):
     rank = dist.get_rank() if dist.is_initialized() else None
     results = {}
     # Dense: the tiny Qwen3 target, the (untrained) tiny DFlash drafter and a sharded oracle.
-    tp = distributed.load_tensor_parallel(os.path.join(out, "dense"))
+    tp = parallel.load_tensor_parallel(os.path.join(out, "dense"))
     rank = dist.get_rank()
     full = AutoModelForCausalLM.from_pretrained(os.path.join(out, "dense"), dtype=torch.float32).eval()
-    shard = distributed.vocab_shard(tp)
+    shard = parallel.vocab_shard(tp)
     results["shard"] = dict(offset=shard.offset, local=shard.local_size, vocab=shard.vocab_size,
                             world=shard.world_size)
     prompt = [5, 17, 42]
@@ -89,7 +91,7 @@ def main(out):
                                      **cost_aware.profile_identity(tp, tiny_drafter()))
     if rank == 0:
         cost_aware.save_profile(planted)
-    measured = cost_aware.calibrate(tp, tiny_drafter(), 1, rounds=2, repeats=1, progress=False)
+    measured = calibrate(tp, tiny_drafter(), 1, rounds=2, repeats=1, progress=False)
     results["calibrate-cached-on-one-rank"] = dict(
         planted={str(b): ms for b, ms in planted.round_ms.items()},
         round_ms={str(b): ms for b, ms in measured.round_ms.items()},
@@ -114,7 +116,7 @@ def main(out):
     # Tiny random hybrids (Gated DeltaNet layers; Qwen3-Next with its fused projections and MoE
     # MLPs) with the sharded oracle: deep acceptances, recurrent states committed along them.
     for kind in ("qwen3_5", "qwen3_next"):
-        tp_kind = distributed.load_tensor_parallel(os.path.join(out, kind))
+        tp_kind = parallel.load_tensor_parallel(os.path.join(out, kind))
         full_kind = AutoModelForCausalLM.from_pretrained(os.path.join(out, kind),
                                                          dtype=torch.float32).eval()
         want = greedy_reference(full_kind, torch.tensor([prompt]), 40)
@@ -124,7 +126,7 @@ def main(out):
 
     # Hybrid: the embedded pair (trained Qwen3.5-text target with Gated DeltaNet layers + its
     # DFlash drafter), tied embeddings sharded with the LM head.
-    tp_hybrid = distributed.load_tensor_parallel(str(embedded.target_dir()))
+    tp_hybrid = parallel.load_tensor_parallel(str(embedded.target_dir()))
     target, drafter, tokenizer = embedded.load()
     for i, text in enumerate(embedded.heldout_prompts(2)):
         ids = tokenizer(text, return_tensors="pt").input_ids
@@ -137,7 +139,7 @@ def main(out):
 
     # The sharded top-k over the embedded target's LM head shards, through the real all-gather,
     # against tree_topk's reference on the whole vocabulary (same random logits on every rank).
-    hshard = distributed.vocab_shard(tp_hybrid)
+    hshard = parallel.vocab_shard(tp_hybrid)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 15, hshard.vocab_size, generator=g) * 4
     logits[0, 0, :] = 1.0  # all ties: ids decide across the shard border
@@ -151,7 +153,7 @@ def main(out):
     results["sharded-topk"] = topk
 
     # The debug check raises when the ranks disagree (a tensor that differs by rank).
-    check = distributed.RankCheck(distributed.tensor_parallel_group(tp))
+    check = parallel.RankCheck(parallel.tensor_parallel_group(tp))
     try:
         check(tokens=torch.tensor([rank]))
         results["rank-check-raised"] = ""

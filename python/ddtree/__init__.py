@@ -1,7 +1,10 @@
 """ddtree: tree speculative decoding (DDTree) for block-diffusion drafters, as torch ops.
 
-The native ops live in ``torch.ops.ddtree``; ``ddtree.ops`` holds typed Python wrappers and
-``ddtree.reference`` pure-PyTorch versions written from the spec (the test oracles).
+Loads the native extension (``torch.ops.ddtree``) and re-exports the ops' typed wrappers. The
+layers, each importing only those before it: ``ops`` (wrappers, fakes, reference), ``parallel``
+(tensor parallelism), ``models`` (drafter, attention, hybrid layers, loading), ``budget``
+(cost-aware tree sizes), ``generate`` (the speculative loop), ``train``, ``integrations``
+(serving engines), then ``embedded``, ``demo`` and ``cli`` on top (docs/architecture.md).
 """
 from .version import __version__
 
@@ -28,8 +31,7 @@ def _load_native():
 
 _C = _load_native()
 
-from . import _fake  # noqa: E402,F401  (registers the fake kernels)
-from .eagle import EagleVerifyInputs, to_eagle_format  # noqa: E402
+from .integrations.sglang import EagleVerifyInputs, to_eagle_format  # noqa: E402
 from .ops import (  # noqa: E402
     DraftTree,
     GreedyVerdict,
@@ -42,7 +44,9 @@ from .ops import (  # noqa: E402
     commit_recurrent_,
     draft_attention,
     draft_to_tree,
+    expected_accepts,
     gather_accepted,
+    set_validation,
     tree_attention,
     tree_attention_mask,
     tree_causal_conv1d,
@@ -51,41 +55,16 @@ from .ops import (  # noqa: E402
     tree_topk_merge,
     tree_topk_shard,
     tree_visibility,
+    validation,
+    validation_enabled,
     verify_greedy,
     verify_sample,
-    expected_accepts,
 )
 
 
 def has_cuda_kernels() -> bool:
     """True when the CUDA kernels were compiled into ddtree._C."""
     return bool(_C.has_cuda_kernels())
-
-
-def set_validation(enabled: bool) -> None:
-    """Turn the ops' value checks (e.g. parent < own index) on or off. On CUDA they cost a
-    device-to-host copy; they are skipped automatically while a CUDA graph is being captured."""
-    _C.set_validation(bool(enabled))
-
-
-def validation_enabled() -> bool:
-    return bool(_C.validation_enabled())
-
-
-class validation:
-    """`with ddtree.validation(False):` runs the block with the ops' value checks off (the
-    speculative loop's rounds, whose inputs were checked once at the API boundary), then restores
-    the previous setting."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = bool(enabled)
-
-    def __enter__(self):
-        self.previous = validation_enabled()
-        set_validation(self.enabled)
-
-    def __exit__(self, *exc):
-        set_validation(self.previous)
 
 
 __all__ = [

@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 import ddtree
-from ddtree import budget as cost_aware
-from ddtree import reference
+from ddtree.budget import auto_policy
+from ddtree.ops import reference
 
 
 def _show_tree(tokens, parents):
@@ -90,7 +90,7 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
     """Every mode of `modes` on held-out prompts with the embedded pair (CPU, fp32, greedy, stop
     at end-of-text); warm-up excluded. Returns (rows, results by label)."""
     from . import embedded
-    from .generate import generate, tokens_per_second
+    from .generate import calibration_run, generate, tokens_per_second
 
     log = print if verbose else (lambda *a, **k: None)
     target, drafter, tokenizer = embedded.load()
@@ -105,7 +105,8 @@ def run_loop_demo(prompt_count: int = 4, new_tokens: int = 96, plot: Optional[st
         label = _label(mode, budget)
         results[label] = []
         for x in ids:
-            policy = cost_aware.auto_policy(target, drafter, 1) if budget == "auto" else None
+            policy = auto_policy(target, drafter, 1, run=calibration_run(target, drafter)) \
+                if budget == "auto" else None
             results[label].append(generate(target, drafter, x, new_tokens, mode=mode,
                                            budget=budget, stop_token_ids=stops, policy=policy))
             policies += [policy] if policy else []
@@ -161,11 +162,12 @@ def _loop_demo() -> None:
     rows, results = run_loop_demo(plot=os.path.join("build", "demo", "ddtree_demo.png"))
     # The same tree mode with the tree_attention op (transformers attention "ddtree", no dense
     # mask) in the fixed-shape round that cuda_graph=True captures on a GPU.
-    from . import embedded, hf
+    from . import embedded
     from .generate import generate
+    from .models.attention import use_tree_attention
 
     target, drafter, tokenizer = embedded.load()
-    hf.use_tree_attention(target)
+    use_tree_attention(target)
     prompt = tokenizer(embedded.heldout_prompts(1)[0], return_tensors="pt").input_ids
     r = generate(target, drafter, prompt, 96, mode="tree", budget=64,
                  stop_token_ids=[tokenizer.eos_token_id])

@@ -1,51 +1,18 @@
-"""The embedded pair: a small hybrid Qwen3.5-text target (Gated DeltaNet + full attention layers)
-trained on the Python standard library's own sources, and its DFlash drafter trained with the
-DFlash recipe (ddtree.train). Shipped in python/ddtree/embedded_pair/ as bf16 safetensors
-(target: config + weights + tokenizer; drafter: the published DFlash format) with the recipe, seed,
-losses and training times in recipe.json.
-
-  python -m ddtree.embedded [--out DIR] [--resume]     (make embedded-pair)
-
-rebuilds it: tokenizer -> target -> (target rounded to bf16) -> greedy data -> drafter.
-"""
+"""The embedded pair shipped with the package: a small hybrid Qwen3.5-text target and its DFlash
+drafter (docs/embedded-pair.md): where it lives, how to load it, and prompts from held-out files
+of the corpus it was trained on. How it is built: ddtree.train.embedded_pair."""
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import List
 
 import torch
 
-from . import train
+from .models.loading import load_drafter, load_target, load_tokenizer
+from .train.corpus import read_texts, stdlib_files
+from .train.embedded_pair import PAIR_DIR, drafter_dir, target_dir
 
-PAIR_DIR = Path(__file__).resolve().parent / "embedded_pair"
-VOCAB_SIZE = 4096
-SEED = 0
-
-# Qwen3.5's 3:1 pattern of linear (Gated DeltaNet) to full attention layers, scaled down.
-TARGET_CONFIG = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-    linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=8192,
-    tie_word_embeddings=True, eos_token_id=0, pad_token_id=0)
-DRAFT_LAYERS = 2
-DRAFT_TARGET_LAYER_IDS = [1, 3]  # spec §2's default formula degenerates for 4 target layers
-
-
-def target_dir(root: Path = PAIR_DIR) -> Path:
-    return Path(root) / "target"
-
-
-def drafter_dir(root: Path = PAIR_DIR) -> Path:
-    return Path(root) / "drafter"
+__all__ = ["PAIR_DIR", "available", "drafter_dir", "heldout_prompts", "load", "target_dir"]
 
 
 def available(root: Path = PAIR_DIR) -> bool:
@@ -54,14 +21,12 @@ def available(root: Path = PAIR_DIR) -> bool:
 
 def load(dtype: torch.dtype = torch.float32, device: str = "cpu", root: Path = PAIR_DIR):
     """(target, drafter, tokenizer) of the embedded pair."""
-    from . import loading
-
     if not available(root):
         raise FileNotFoundError(f"embedded pair not found in {root}; build it with "
-                                "`make embedded-pair` (python -m ddtree.embedded)")
-    return (loading.load_target(target_dir(root), dtype, device),
-            loading.load_drafter(drafter_dir(root), dtype, device),
-            loading.load_tokenizer(target_dir(root)))
+                                "`make embedded-pair` (python -m ddtree.train.embedded_pair)")
+    return (load_target(target_dir(root), dtype, device),
+            load_drafter(drafter_dir(root), dtype, device),
+            load_tokenizer(target_dir(root)))
 
 
 def heldout_prompts(count: int = 8) -> List[str]:
@@ -69,8 +34,8 @@ def heldout_prompts(count: int = 8) -> List[str]:
     definition line with up to 3 lines before it, ending with the newline after the `def` line.
     Deterministic (files in path order)."""
     prompts = []
-    for path in train.stdlib_files("heldout"):
-        lines = train.read_texts([path])[0].split("\n")
+    for path in stdlib_files("heldout"):
+        lines = read_texts([path])[0].split("\n")
         for i, line in enumerate(lines):
             stripped = line.lstrip()
             if stripped.startswith("def ") and line.rstrip().endswith(":") and i >= 3:
@@ -81,76 +46,3 @@ def heldout_prompts(count: int = 8) -> List[str]:
     return prompts
 
 
-def build(out: Path = PAIR_DIR, resume: bool = False, quiet: bool = False,
-          target_recipe: train.TargetRecipe = train.TargetRecipe(),
-          drafter_recipe: train.DrafterRecipe = train.DrafterRecipe()) -> dict:
-    """Trains and saves the pair in `out`; scratch state in out/work (removed at the end)."""
-    from transformers import Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
-
-    from .models import DFlashDrafter
-
-    out = Path(out)
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    texts = train.read_texts(train.stdlib_files("train"))
-    tokenizer = train.train_tokenizer(texts, VOCAB_SIZE)
-    stream = train.token_stream(tokenizer, texts)
-    t_tok = time.perf_counter() - t0
-    if not quiet:
-        print(f"tokenizer: {len(texts)} files, {stream.numel()} tokens ({t_tok:.0f} s)")
-
-    torch.manual_seed(SEED)
-    target = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TARGET_CONFIG))
-    t_target = train.train_target(target, stream, target_recipe, str(work), resume=resume,
-                                  quiet=quiet)
-    target = target.to(torch.bfloat16)
-    target.save_pretrained(str(target_dir(out)))
-    tokenizer.save_pretrained(str(target_dir(out)))
-    target = target.float().eval()  # the drafter learns the shipped (bf16-rounded) target
-
-    torch.manual_seed(SEED)
-    drafter = DFlashDrafter(train.drafter_config_for(
-        target, DRAFT_LAYERS, tokenizer.mask_token_id, 16, DRAFT_TARGET_LAYER_IDS))
-    info = train.train_drafter(target, drafter, stream, drafter_recipe, str(work), resume=resume,
-                               quiet=quiet)
-    drafter.to(torch.bfloat16).save_pretrained(str(drafter_dir(out)))
-
-    def final_loss(name):
-        rows = [json.loads(line) for line in open(work / f"{name}_log.jsonl")]
-        return rows[-1]["loss"] if rows else None
-
-    recipe = dict(
-        python=platform.python_version(), torch=torch.__version__, threads=torch.get_num_threads(),
-        machine=platform.machine(), seed=SEED, corpus_files=len(texts), corpus_tokens=stream.numel(),
-        tokenizer=dict(kind="byte-level BPE", vocab_size=VOCAB_SIZE, seconds=round(t_tok, 1)),
-        target=dict(config=TARGET_CONFIG, recipe=asdict(target_recipe), seconds=round(t_target, 1),
-                    final_loss=final_loss("target")),
-        drafter=dict(layers=DRAFT_LAYERS, target_layer_ids=DRAFT_TARGET_LAYER_IDS, **info,
-                     final_loss=final_loss("drafter")),
-        total_seconds=round(time.perf_counter() - t0, 1))
-    for name in ("target", "drafter"):
-        os.replace(work / f"{name}_log.jsonl", out / f"{name}_log.jsonl")
-    for leftover in work.iterdir():
-        leftover.unlink()
-    work.rmdir()
-    (drafter_dir(out) / "training.json").unlink(missing_ok=True)
-    with open(out / "recipe.json", "w") as f:
-        json.dump(recipe, f, indent=1)
-    return recipe
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="rebuild the embedded target + DFlash drafter pair")
-    p.add_argument("--out", default=str(PAIR_DIR))
-    p.add_argument("--resume", action="store_true", help="continue from OUT/work/*_state.pt")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
-    recipe = build(Path(args.out), args.resume, args.quiet)
-    print(json.dumps(recipe, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

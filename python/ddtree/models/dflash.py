@@ -6,10 +6,8 @@ drafter has no embedding and no LM head: it uses the target's.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -23,102 +21,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from ..loading import text_config
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
-    """spec §2: round(1 + i * (T - 4) / (n - 1)) for i in 0..n-1; n = 1 -> [T // 2]."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1))
-            for i in range(num_draft_layers)]
-
-
-MAX_BLOCK_SIZE = 33  # the root + 32 draft depths (build_tree's deepest tree)
-
-
-def _positive_int(config: dict, field: str, where: str, minimum: int = 1) -> int:
-    value = config.get(field)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where}: field '{field}' must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def dflash_config(config: dict, where: str = "DFlash config") -> Qwen3Config:
-    """A Qwen3Config carrying the DFlash fields (block_size, num_target_layers, dflash_config),
-    checked: errors name `where` (e.g. the config file) and the field."""
-    if not isinstance(config, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(config).__name__}")
-    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if field in config:
-            _positive_int(config, field, where)
-    num_target_layers = _positive_int(config, "num_target_layers", where)
-    block_size = _positive_int({"block_size": config.get("block_size", 16)}, "block_size", where, 2)
-    if block_size > MAX_BLOCK_SIZE:
-        raise ValueError(f"{where}: field 'block_size' = {block_size} exceeds {MAX_BLOCK_SIZE} (the "
-                         f"root + at most {MAX_BLOCK_SIZE - 1} draft depths)")
-    extra = config.get("dflash_config") or {}
-    if not isinstance(extra, dict):
-        raise ValueError(f"{where}: field 'dflash_config' must be an object, got {extra!r}")
-    extra = dict(extra)
-    if "mask_token_id" not in extra:
-        raise ValueError(f"{where}: field 'dflash_config.mask_token_id' is required")
-    _positive_int(extra, "mask_token_id", where + " dflash_config", 0)
-    cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map")})
-    cfg.block_size = block_size
-    cfg.num_target_layers = num_target_layers
-    if not extra.get("target_layer_ids"):
-        extra["target_layer_ids"] = default_target_layer_ids(cfg.num_target_layers,
-                                                             cfg.num_hidden_layers)
-    ids = extra["target_layer_ids"]
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                            and 0 <= i < num_target_layers for i in ids):
-        raise ValueError(f"{where}: field 'dflash_config.target_layer_ids' must list layer indices "
-                         f"in [0, num_target_layers = {num_target_layers}), got {ids!r}")
-    cfg.dflash_config = extra
-    return cfg
-
-
-def checkpoint_files(path: str) -> List[str]:
-    """The weight files a checkpoint directory declares: the shards named by
-    model.safetensors.index.json when it exists, else model.safetensors."""
-    index = os.path.join(path, WEIGHTS_NAME + ".index.json")
-    if os.path.exists(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object of "
-                             f"tensor name -> file; {type(e).__name__}: {e})") from None
-        for name in files:
-            if not isinstance(name, str) or os.path.basename(name) != name or \
-                    not os.path.isfile(os.path.join(path, name)):
-                raise FileNotFoundError(f"{index}: weight_map names {name!r}, which is not a file "
-                                        f"in {path}")
-        return files
-    if not os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
-        raise FileNotFoundError(f"DFlashDrafter.from_pretrained: no {WEIGHTS_NAME} (or "
-                                f"{WEIGHTS_NAME}.index.json) in {path}")
-    return [WEIGHTS_NAME]
-
-
-@contextlib.contextmanager
-def atomic_path(final: str):
-    """A temporary path next to `final` to write; renamed onto `final` when the block succeeds,
-    removed when it fails."""
-    directory, name = os.path.split(os.path.abspath(final))
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
+from .dflash_config import CONFIG_NAME, WEIGHTS_NAME, checkpoint_files, dflash_config
+from .dflash_state import DFlashDraftState
+from .draft_rows import ContextRows, StepRows, write_rows
+from .common import atomic_path, text_config
 
 class RMSNorm(Qwen3RMSNorm):
     """Qwen3's RMSNorm (same parameters and checkpoint names) computed by torch's one
@@ -164,7 +70,7 @@ class DFlashAttention(nn.Module):
         q, k, v = self.project(x, ctx)
         rows = step.rows
         if step.fused:
-            from ..ops import draft_attention
+            from ..ops.attention import draft_attention
 
             out = draft_attention(q, k, v, cache_kv[0], cache_kv[1], rows.committed_len,
                                   self.q_norm.weight, self.k_norm.weight, rope_kv[0], rope_kv[1], c,
@@ -205,75 +111,6 @@ class DFlashAttention(nn.Module):
         attn = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-
-
-def rows_at(start: torch.Tensor, count: int) -> torch.Tensor:
-    """[B, 1, count, 1] cache rows start[b] + j: a scatter index for K / V [B, Hkv, S, D]."""
-    return (start[:, None] + torch.arange(count, device=start.device))[:, None, :, None]
-
-
-def write_rows(cache_kv, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Rows k / v [B, Hkv, R, D] into the cache (K, V) [B, Hkv, S, D] at rows `at` [B, 1, R, 1]
-    (rows_at)."""
-    for cache, new in zip(cache_kv, (k, v)):
-        cache.scatter_(2, at.expand(-1, cache.shape[1], -1, cache.shape[3]), new.to(cache.dtype))
-
-
-class ContextRows:
-    """Where a drafter step's new context rows go (device tensors [B]): request b has
-    committed_len[b] rows in the cache and brings new_t[b] valid rows (the rest of the C rows is
-    padding). The unfused path attends to the first key_rows cache rows (a host int: the loop's
-    capacity), masked per request; the cache holds block_size rows more (padding rows land
-    there)."""
-
-    def __init__(self, committed_len: torch.Tensor, new_t: torch.Tensor, key_rows: int):
-        self.committed_len, self.new_t, self.key_rows = committed_len, new_t, key_rows
-        self.layouts: dict = {}
-        self.cols: Optional[torch.Tensor] = None
-
-    def step(self, context_rows: int, block_rows: int, fused: bool) -> "StepRows":
-        """The step's layout, made once for every layer (unfused): one scatter index for the C
-        context rows and the block's rows, all distinct: valid context row j at committed_len +
-        j, the block's row i at committed_len + new_t + i, padding row j past the block (at
-        committed_len + j + block_rows) — so request b's keys are its first committed_len +
-        new_t + block_rows cache rows; the next step's context rows overwrite the block."""
-        start, new = self.committed_len[:, None], self.new_t[:, None]
-        j, offset, in_block = self._layout(context_rows, block_rows, start.device)
-        positions = start + offset + in_block * new  # context row j: + j; block row i: + new + i
-        if fused:
-            return StepRows(self, True, positions)
-        at = positions + (j >= new) * (1 - in_block) * block_rows  # padding: past the block
-        mask = (self._cols(start.device) < start + new + block_rows)[:, None, None]
-        return StepRows(self, False, positions, at[:, None, :, None], mask)
-
-    def _layout(self, context_rows: int, block_rows: int, device):
-        """Constants of a step's rows, made once per shape: j = 0 .. C + S - 1; the offset of
-        row j from the request's first new row (j; block row C + i: i); 1 on block rows."""
-        key = (context_rows, block_rows)
-        if key not in self.layouts:
-            j = torch.arange(context_rows + block_rows, device=device)
-            in_block = (j >= context_rows).long()
-            self.layouts[key] = (j, j - in_block * context_rows, in_block)
-        return self.layouts[key]
-
-    def _cols(self, device) -> torch.Tensor:
-        """0 .. key_rows - 1 (made once)."""
-        if self.cols is None or self.cols.numel() != self.key_rows:
-            self.cols = torch.arange(self.key_rows, device=device)[None]
-        return self.cols
-
-
-@dataclass
-class StepRows:
-    """One drafter step's rows (ContextRows.step): the context lengths, whether the fused op
-    runs, the positions [B, C + S] of the context and block rows, and for the unfused path their
-    cache rows [B, 1, C + S, 1] (a scatter index, rows_at's layout) and the key mask
-    [B, 1, 1, key_rows] (True = visible)."""
-    rows: ContextRows
-    fused: bool
-    positions: torch.Tensor
-    at: Optional[torch.Tensor] = None
-    mask: Optional[torch.Tensor] = None
 
 
 class DFlashLayer(nn.Module):
@@ -447,7 +284,7 @@ class DFlashDrafter(nn.Module):
         grows, unfused on CPU)."""
         if self.fused_attention != "auto":
             return bool(self.fused_attention)
-        from ..ops import attention_op_supports
+        from ..ops.attention import attention_op_supports
 
         w, attn = self.fc.weight, self.layers[0].self_attn
         if not attention_op_supports(w.device, w.dtype, attn.head_dim):
@@ -537,183 +374,3 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, cache.layers[i], step)
         return self.block_logits(target, x[:, 1:], vocab_shard)
-
-
-class DFlashDraftState:
-    """The DFlash drafter across the rounds of one generation, on fixed shapes: a context cache of
-    `capacity` rows, the accepted rows' target features [B, block_size, n*H] and their count per
-    request as device buffers (gather_accepted: no host lists). The first step brings the
-    prompts' features (padded to the longest prompt) and runs eagerly; every later step has the
-    same shapes and, with cuda_graph, is captured once (capture: before the rounds) and
-    replayed."""
-
-    DEFER_ROWS = 64  # deferred root rows written to the context cache in one pass
-
-    def __init__(self, drafter: DFlashDrafter, target, prompt_hidden_states, capacity: int,
-                 cuda_graph: bool):
-        from ..distributed import vocab_shard
-
-        self.drafter, self.target, self.capacity = drafter, target, capacity
-        self.vocab_shard = vocab_shard(target)  # tensor-parallel target: logits of local columns
-        feats = [drafter.target_features(h)[0] for h in prompt_hidden_states]  # [P_b, n*H]
-        batch, device = len(feats), drafter.fc.weight.device
-        self.cache = drafter.new_cache(batch, capacity + drafter.block_size)
-        self.prompt = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
-        self.rows = ContextRows(torch.zeros(batch, dtype=torch.long, device=device),
-                                torch.tensor([f.shape[0] for f in feats], device=device), capacity)
-        self.feats = self.prompt.new_zeros(batch, drafter.block_size, self.prompt.shape[-1])
-        self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
-        self.use_graph = cuda_graph
-        # RoPE of every position a step can reach (context + a block past it).
-        self.rope_table = drafter.rope_table(capacity + drafter.block_size, device)
-        # Eager steps bring only as many context rows as the last verdict accepted at most, when
-        # the loop says so (known_new_rows, from its host read); graphs keep all block_size.
-        self.new_rows: Optional[int] = None
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.logits = None
-        # Autoregressive rounds of budget="auto" (defer): whether the last drafted round's
-        # accepted rows (feats, new_t) are still to reach the cache; the context rows deferred
-        # since, per request deferred_count[b] of them packed at the front of deferred_feats
-        # [B, DEFER_ROWS + block_size, n*H]; `deferred` (host) bounds every request's count.
-        self.block_pending = False
-        self.deferred, self.deferred_feats = 0, None
-        self.deferred_count = torch.zeros(batch, dtype=torch.long, device=device)
-
-    def select(self, index: torch.Tensor) -> None:
-        """Keeps the batch rows `index` [B'] (finished requests leave): context caches, context
-        lengths, pending features; a CUDA graph is captured anew at the new batch size."""
-        self.cache.layers = [kv if kv is None else tuple(t[index] for t in kv)
-                             for kv in self.cache.layers]
-        self.rows.committed_len, self.rows.new_t = self.rows.committed_len[index], \
-            self.rows.new_t[index]
-        self.feats, self.bonus = self.feats[index], self.bonus[index]
-        if self.prompt is not None:
-            self.prompt = self.prompt[index]
-        if self.deferred_feats is not None:
-            self.deferred_feats = self.deferred_feats[index]
-        self.deferred_count = self.deferred_count[index]
-        self.graph = self.logits = None
-
-    def capture(self) -> None:
-        """With cuda_graph: captures the step now, before the rounds that replay it (again after
-        select). Its passes run with no new context rows (new_t zeroed meanwhile, the graph
-        reads it at each replay): they write only block rows from each request's committed
-        rows on, which the next step (the prompt pass, or a replay) writes again before any
-        read. Eager steps: nothing to capture."""
-        if not self.use_graph or self.graph is not None:
-            return
-        from ..verify import capture_graph
-
-        pending = self.rows.new_t.clone()
-        self.rows.new_t.zero_()
-        self.graph, self.logits = capture_graph(self._step)
-        self.rows.new_t.copy_(pending)
-
-    def _step(self, block_rows: Optional[int] = None):
-        feats = self.feats if self.use_graph or self.new_rows is None else \
-            self.feats[:, : max(1, self.new_rows)]
-        return self.drafter.draft_block(self.target, self.bonus, feats, self.rows, self.cache,
-                                        self.vocab_shard, self.rope_table, block_rows)
-
-    def known_new_rows(self, rows: int) -> None:
-        """The loop's host read of the verdict just committed: no request accepted more than
-        `rows` rows (its accept_len), so an eager step reads only that many feature rows."""
-        self.new_rows = rows
-
-    def step(self, bonus: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
-        """Draft logits [B, L, V] of the blocks starting with `bonus` [B] (this rank's vocabulary
-        columns when the target's LM head is sharded): L = block_size - 1, or `depth` when the
-        round's tree goes no deeper (eager steps draft a block of depth + 1 rows, cheaper; a
-        captured graph keeps its full block)."""
-        self.bonus.copy_(bonus)
-        self._take_deferred()
-        self.block_pending = False
-        block_rows = None if depth is None or depth + 1 >= self.drafter.block_size else \
-            max(2, depth + 1)
-        if self.prompt is not None:
-            logits = self.drafter.draft_block(self.target, self.bonus, self.prompt, self.rows,
-                                              self.cache, self.vocab_shard, self.rope_table,
-                                              block_rows)
-            self.prompt = None
-        elif not self.use_graph:
-            logits = self._step(block_rows)
-        else:
-            self.capture()  # a no-op when the loop captured it before the round
-            self.graph.replay()
-            logits = self.logits
-        self.rows.committed_len += self.rows.new_t
-        return logits
-
-    def _write_context(self, feats: torch.Tensor, rows) -> None:
-        """Context rows straight into the cache, without drafting a block: the context keys /
-        values of every draft layer depend only on the target features (k / v projections,
-        k-norm, RoPE at the rows' positions). feats [B, C, n*H] land at rows committed_len + j;
-        `rows` ([B] tensor or int) of them are real and committed_len advances by it."""
-        drafter, ctx_rows = self.drafter, self.rows
-        ctx = drafter.context(feats)
-        rope = drafter.rope_at(ctx_rows.committed_len[:, None] +
-                               torch.arange(ctx.shape[1], device=ctx.device), ctx, self.rope_table)
-        at = rows_at(ctx_rows.committed_len, ctx.shape[1])
-        for layer, kv in zip(drafter.layers, self.cache.layers):
-            write_rows(kv, at, *layer.self_attn.context_kv(ctx, rope))
-        ctx_rows.committed_len += rows
-
-    @torch.no_grad()
-    def defer(self, hidden_states) -> None:
-        """An autoregressive round's verdict (budget="auto"): its one accepted row (the root,
-        row 0 of the pass) joins the context later. The rows wait in a buffer, behind the
-        accepted rows of the drafted round before them (moved there, not written); the next
-        draft step takes them as its own new context rows when they fit its block_size rows
-        (no pass of their own), else one pass writes them first; a full buffer (DEFER_ROWS)
-        is written by one pass. So switching between drafted and autoregressive rounds costs
-        the drafter copies, and a run of autoregressive rounds one small copy a round."""
-        if self.prompt is not None:  # the first round: the prompt's rows go in by one pass
-            self._write_context(self.prompt, self.rows.new_t)
-            self.rows.new_t.zero_()
-            self.prompt = None
-        if self.deferred_feats is None:
-            self.deferred_feats = self.feats.new_zeros(
-                self.feats.shape[0], self.DEFER_ROWS + self.drafter.block_size,
-                self.feats.shape[-1])
-        if self.block_pending:  # the drafted round's accepted rows go first
-            self.deferred_feats[:, : self.feats.shape[1]] = self.feats
-            self.deferred_count.copy_(self.rows.new_t)
-            self.rows.new_t.zero_()
-            self.deferred = self.feats.shape[1] if self.new_rows is None else self.new_rows
-            self.block_pending = False
-        if self.deferred >= self.DEFER_ROWS:
-            self._flush_deferred()
-        ids = self.drafter.target_layer_ids
-        row = torch.cat([hidden_states[i + 1][:, :1] for i in ids], -1)
-        self.deferred_feats.scatter_(1, self.deferred_count[:, None, None].expand_as(row), row)
-        self.deferred_count += 1
-        self.deferred += 1
-
-    def _take_deferred(self) -> None:
-        """Before a draft step: the deferred rows become the step's new context rows when they
-        fit (no request has more than block_size of them), else one pass writes them."""
-        if self.deferred > self.feats.shape[1]:
-            self._flush_deferred()
-        elif self.deferred:
-            self.feats[:, : self.deferred] = self.deferred_feats[:, : self.deferred]
-            self.rows.new_t.copy_(self.deferred_count)
-            self.new_rows = self.deferred
-            self.deferred_count.zero_()
-            self.deferred = 0
-
-    def _flush_deferred(self) -> None:
-        """One pass writes the deferred rows (and the accepted rows before them) into the
-        cache."""
-        self._write_context(self.deferred_feats[:, : self.deferred], self.deferred_count)
-        self.deferred_count.zero_()
-        self.deferred = 0
-
-    def commit(self, hidden_states, verdict) -> None:
-        """The accepted rows' target features become the next step's new context rows."""
-        from ..ops import gather_accepted
-
-        features = self.drafter.target_features(hidden_states)
-        self.feats.copy_(gather_accepted(features, verdict.accepted, verdict.accept_len))
-        self.rows.new_t.copy_(verdict.accept_len)
-        self.block_pending = True
-        self.new_rows = None  # until the loop reads this verdict
