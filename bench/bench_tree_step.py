@@ -2,7 +2,7 @@
 baseline written here from the DDTree paper's algorithm, same inputs, same run:
 
   baseline tree : log_softmax -> topk(K = budget) -> tolist -> heapq best-first per request
-                  (ddtree.reference.build_tree_single) -> node token / parent tensors
+                  (ddtree.ops.reference.build_tree_single) -> node token / parent tensors
   ddtree tree   : draft_to_tree (tree_topk -> build_tree -> tree_visibility)
   baseline chain: argmax -> cat(root, argmax) -> positions        (DFlash's chain)
   ddtree chain  : chain_to_tree (chain_tree -> tree_visibility)

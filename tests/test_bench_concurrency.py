@@ -21,7 +21,11 @@ def test_concurrency_benchmark_runs_and_records_auto(tmp_path):
                           "--repeats", "1", "--json", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    data = json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    # The run's date, machine, command and commit, then the benchmark's payload.
+    assert set(written["run"]) == {"date", "machine", "command", "commit"}
+    assert "bench_concurrency.py" in written["run"]["command"]
+    data = written["result"]
     modes = ["autoregressive", "tree auto", "chain", "tree 8", "tree 16", "tree 64", "tree 256"]
     assert [(r["batch"], r["mode"]) for r in data["rows"]] == [(b, m) for b in (1, 2)
                                                                for m in modes]

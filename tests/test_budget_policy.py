@@ -256,7 +256,7 @@ def test_a_rebuilt_extension_measures_again(tmp_path, monkeypatch):
     assert measured.version == built
     assert cost_aware.load_profile(target, drafter, 1) == measured
     # Another build of the kernels (other size or time stamp): the profile is not reused.
-    monkeypatch.setattr(cost_aware, "build_version", lambda: ddtree.__version__ + "+other")
+    monkeypatch.setattr(cost_aware.costs, "build_version", lambda: ddtree.__version__ + "+other")
     assert cost_aware.load_profile(target, drafter, 1) is None
 
 
@@ -786,11 +786,11 @@ def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
     assert cost_aware.shrink_sizes(5) == [1, 2, 4] and cost_aware.shrink_sizes(32) == [1, 2, 4, 8, 16]
     measured = []
 
-    def fake_calibrate(target, drafter, batch, **kwargs):
+    def fake_calibrate(target, drafter, batch, run, **kwargs):
         measured.append(batch)
         return profile({b: float(batch + b) for b in cost_aware.BUCKETS}, batch=batch)
 
-    monkeypatch.setattr(cost_aware, "calibrate", fake_calibrate)
+    monkeypatch.setattr(cost_aware.policy_setup, "calibrate", fake_calibrate)
     policy = cost_aware.auto_policy(target, drafter, 5, run=calibration_run(target, drafter))
     assert measured == [5, 1, 2, 4]
     assert policy.profile.batch == 5 and sorted(policy.smaller) == [1, 2, 4]
@@ -808,7 +808,7 @@ def test_auto_policy_gathers_the_smaller_batch_profiles(tmp_path, monkeypatch):
     assert single.profile is at4 and single.smaller == {1: cached}
     assert measured == [5, 1, 2, 4]  # nothing measured when profiles are given
     assert single.learn_costs  # one process: round times correct the costs
-    monkeypatch.setattr(cost_aware, "_world_size", lambda: 2)
+    monkeypatch.setattr(cost_aware.policy_setup, "world_size", lambda: 2)
     assert not cost_aware.auto_policy(target, drafter, 4, at4).learn_costs  # tensor parallel
 
 
@@ -840,8 +840,8 @@ def test_calibration_times_the_warm_rounds_of_the_whole_batch(monkeypatch, tmp_p
     monkeypatch.setattr(loop, "generate_batch", recording)
     for buckets in ((0, 16), cost_aware.BUCKETS, (4, 16)):
         sizes.clear(), timed.clear(), cycles.clear(), choices.clear()
-        measured = calibrate(tiny_target(seed=3), tiny_drafter(), 3, buckets,
-                                        rounds=2, repeats=2, progress=False, use_cache=False)
+        measured = calibrate(tiny_target(seed=3), tiny_drafter(), 3, buckets=buckets,
+                             rounds=2, repeats=2, progress=False, use_cache=False)
         trees = [b for b in buckets if b]
         plain = [0, 0] if 0 in buckets else []
         assert len(choices) == 2  # one generation a repeat, the trees' order alternating

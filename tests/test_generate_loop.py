@@ -237,7 +237,7 @@ def test_sampling_is_distributed_as_target_sampling():
     """temperature 0.9, top-k 4 on a 6-token vocabulary: the first two generated tokens over many
     seeds follow the target's own two-step sampling distribution (chi-square, fixed seeds)."""
     from ddtree.ops import reference
-    from test_verify_sample import chi_square_pvalue
+    from test_ops_verify_sample import chi_square_pvalue
 
     torch.manual_seed(7)
     vocab = 6

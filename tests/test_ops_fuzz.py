@@ -1,7 +1,7 @@
 """Fuzzing the tree ops with hypothesis: random batch sizes (0 included), tree sizes, parent
 dtypes, strided views, multi-root forests, corrupted trees (parents out of order or out of range,
 padding rows with parents, node counts outside [0, N]), random starts / prefixes / paths. Every
-call either equals the reference written from docs/spec.md (python/ddtree/reference.py) or raises a
+call either equals the reference written from docs/spec.md (python/ddtree/ops/reference.py) or raises a
 RuntimeError naming the op and the offending argument — never a crash, a hang or a silently wrong
 answer. CPU and the emulated CUDA kernels (and the GPU when present).
 
@@ -383,7 +383,7 @@ def test_fuzz_draft_attention(backend, batch, lq, context, heads, seed, per_requ
     context lengths, GQA and key splits; CPU in fp32 / bf16 with head dims 8 / 24 / 64, the
     emulated mma kernel in bf16 with 64. Checks the output and the cache append against the
     float64 reference (test_draft_attention.check)."""
-    from test_draft_attention import case as draft_case, check as draft_check
+    from test_ops_draft_attention import case as draft_case, check as draft_check
 
     g = torch.Generator().manual_seed(seed)
     kernel = backend != "cpu"

@@ -233,7 +233,7 @@ def test_cpu_baseline_isa_loops():
     import sys
     here = pathlib.Path(__file__).resolve().parent
     script = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); import test_tree_topk as t\n"
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import test_ops_topk as t\n"
         "t.test_cpu_selection_edge_rows()\n"
         "for shape in t.SHAPES:\n"
         "    b, l, v, k = shape\n"

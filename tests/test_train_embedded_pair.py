@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from ddtree import cli, embedded, train
+from ddtree import cli, embedded
+from ddtree.train import corpus, embedded_pair
 from ddtree.generate import generate
 
 PROMPTS, NEW_TOKENS = 6, 64
@@ -34,11 +35,11 @@ def test_pair_is_committed_in_the_published_formats():
     drafter_cfg = json.loads((embedded.drafter_dir() / "config.json").read_text())
     assert drafter_cfg["architectures"] == ["DFlashDraftModel"]
     assert drafter_cfg["block_size"] == 16
-    assert drafter_cfg["dflash_config"]["target_layer_ids"] == embedded.DRAFT_TARGET_LAYER_IDS
+    assert drafter_cfg["dflash_config"]["target_layer_ids"] == embedded_pair.DRAFT_TARGET_LAYER_IDS
     recipe = json.loads((root / "recipe.json").read_text())
     for key in ("seed", "python", "target", "drafter", "total_seconds"):
         assert key in recipe
-    assert recipe["target"]["config"] == json.loads(json.dumps(embedded.TARGET_CONFIG))
+    assert recipe["target"]["config"] == json.loads(json.dumps(embedded_pair.TARGET_CONFIG))
     target_cfg = json.loads((embedded.target_dir() / "config.json").read_text())
     assert target_cfg["model_type"] == "qwen3_5_text"
     assert "linear_attention" in target_cfg["layer_types"]
@@ -73,12 +74,12 @@ def test_heldout_prompts_come_from_heldout_files():
     texts = embedded.heldout_prompts(3)
     assert len(texts) == 3 and all(t.endswith(":\n") and "def " in t for t in texts)
     assert texts == embedded.heldout_prompts(3)  # deterministic
-    root = train.stdlib_root()
-    held = train.read_texts(train.stdlib_files("heldout"))
+    root = corpus.stdlib_root()
+    held = corpus.read_texts(corpus.stdlib_files("heldout"))
     for t in texts:
-        sources = [p for p, text in zip(train.stdlib_files("heldout"), held) if t in text]
+        sources = [p for p, text in zip(corpus.stdlib_files("heldout"), held) if t in text]
         assert sources, f"prompt not found in a held-out file: {t!r}"
-        assert all(train.is_heldout(p.relative_to(root).as_posix()) for p in sources)
+        assert all(corpus.is_heldout(p.relative_to(root).as_posix()) for p in sources)
 
 
 def test_cli_generate_on_the_embedded_pair(capsys):

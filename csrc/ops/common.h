@@ -168,6 +168,39 @@ void run_op(const char* op, const OpKernels<Params>& k, const Params& p, const a
   }
 }
 
+// The attention ops' shared checks: q in float32 / bfloat16 / float16 (the CUDA kernels: bf16 /
+// fp16 and their head sizes), the query heads a multiple of the KV heads (integral GQA ratio).
+template <Backend kBackend>
+void check_attention_heads(const char* op, at::ScalarType dtype, int64_t hq, int64_t hkv,
+                           int64_t head_dim) {
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, op, ": query heads Hq = ", hq,
+              " must be a multiple of the KV heads Hkv = ", hkv, " (GQA ratio must be integral)");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": q must be float32, bfloat16 or float16, got ", dtype);
+  if constexpr (kBackend != Backend::kCpu) check_mma_attention_args(op, dtype, head_dim);
+}
+
+// The tail the attention ops share: the fields TreeAttentionParams and DraftAttentionParams both
+// have (element type, head shape, cache rows, scale, output [B, rows, Hq, D]), the split plan
+// over at most max_keys keys a request, then the launch over B * Hkv work items. p.batch is set.
+template <Backend kBackend, class Params>
+void run_attention(const char* op, const OpKernels<Params>& kernels, Params& p,
+                   const at::Tensor& q, const at::Tensor& out, int64_t rows, int64_t hq,
+                   int64_t hkv, int64_t head_dim, int64_t s_max, int64_t max_keys,
+                   const c10::optional<double>& scale, const c10::optional<int64_t>& num_splits) {
+  p.dtype = logits_dtype(q.scalar_type());
+  p.hq = hq;
+  p.hkv = hkv;
+  p.d = head_dim;
+  p.s_max = s_max;
+  p.scale = attention_scale(scale, head_dim);
+  p.out = out.data_ptr();
+  const AttentionWorkspace ws =  // holds the split workspace until the launch returns
+      plan_attention_splits(op, kBackend, q, num_splits, p.batch, rows, hq, hkv, head_dim, max_keys);
+  p.split = ws.split;
+  run_op<kBackend>(op, kernels, p, q, p.batch * hkv, 1);
+}
+
 }  // namespace ddtree
 
 // Registers `register_fn<Backend>` for ddtree (CPU, CUDA) and ddtree_emu (CPU = emulated

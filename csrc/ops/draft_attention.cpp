@@ -31,8 +31,6 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   const int64_t T = k_new.size(1), Hkv = k_new.size(2);
   TORCH_CHECK(num_context >= 0 && num_context + Lq == T, op, ": k_new must hold num_context (",
               num_context, ") context rows then the Lq = ", Lq, " block rows; got T = ", T);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": query heads Hq = ", Hq,
-              " must be a multiple of the KV heads Hkv = ", Hkv, " (GQA ratio must be integral)");
   TORCH_CHECK(D % 2 == 0, op, ": head_dim D = ", D, " must be even (RoPE)");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == B &&
                   k_cache.size(1) == Hkv && k_cache.size(3) == D,
@@ -40,11 +38,9 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
               k_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": the caches must be contiguous");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": q must be float32, bfloat16 or float16, got ", dtype);
+  check_attention_heads<kBackend>(op, dtype, Hq, Hkv, D);
   for (const Tensor* t : {&k_new, &v_new, &k_cache, &v_cache})
     TORCH_CHECK(t->scalar_type() == dtype, op, ": q, k_new, v_new and the caches must share one dtype");
-  if constexpr (kBackend != Backend::kCpu) check_mma_attention_args(op, dtype, D);
   TORCH_CHECK(q_norm_weight.numel() == D && k_norm_weight.numel() == D, op,
               ": q_norm_weight and k_norm_weight must have D = ", D, " elements");
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({B, T, D}) && sin.sizes() == cos.sizes(), op,
@@ -89,21 +85,12 @@ Tensor draft_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   p.eps = static_cast<float>(eps);
   p.cos = cs.data_ptr<float>();
   p.sin = sn.data_ptr<float>();
-  p.dtype = logits_dtype(dtype);
   p.batch = B;
   p.lq = Lq;
   p.t = T;
   p.context = num_context;
-  p.hq = Hq;
-  p.hkv = Hkv;
-  p.d = D;
-  p.s_max = S;
-  p.scale = attention_scale(scale, D);
-  p.out = out.data_ptr();
-  const AttentionWorkspace ws =
-      plan_attention_splits(op, kBackend, q, num_splits, B, Lq, Hq, Hkv, D, S + T);
-  p.split = ws.split;
-  run_op<kBackend>(op, kDraftKernels, p, q, B * Hkv, 1);
+  run_attention<kBackend>(op, kDraftKernels, p, q, out, Lq, Hq, Hkv, D, S, S + T, scale,
+                          num_splits);
   return out;
 }
 

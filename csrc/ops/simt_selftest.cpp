@@ -1,5 +1,5 @@
 // ddtree_emu::simt_selftest: runs one SIMT self-test kernel (kernels/simt_selftest.cu), emulated
-// for CPU tensors and on the GPU for CUDA tensors. Test-only; see tests/test_simt_emulator.py.
+// for CPU tensors and on the GPU for CUDA tensors. Test-only; see tests/test_ops_simt_emulator.py.
 #include <torch/library.h>
 
 #include <climits>

@@ -27,14 +27,10 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
   TORCH_CHECK(k_cache.size(0) == B && k_cache.size(3) == D, op, ": k_cache must be [B, Hkv, S, D] = [",
               B, ", Hkv, S, ", D, "], got ", k_cache.sizes());
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": query heads Hq = ", Hq,
-              " must be a multiple of the KV heads Hkv = ", Hkv, " (GQA ratio must be integral)");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": q must be float32, bfloat16 or float16, got ", dtype);
+  check_attention_heads<kBackend>(op, dtype, Hq, Hkv, D);
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, op,
               ": q, k_cache and v_cache must share one dtype");
-  if constexpr (kBackend != Backend::kCpu) check_mma_attention_args(op, dtype, D);
   check_index_tensor(op, "past_len", past_len);
   TORCH_CHECK(past_len.dim() == 1 && past_len.size(0) == B, op, ": past_len must have shape [B] = [",
               B, "], got ", past_len.sizes());
@@ -69,22 +65,13 @@ Tensor tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   p.kv_stride_b = kc.stride(0);
   p.kv_stride_h = kc.stride(1);
   p.kv_stride_s = kc.stride(2);
-  p.dtype = logits_dtype(dtype);
   p.past_len = past.data_ptr<int64_t>();
   p.committed_len = prefix.defined() ? prefix.data_ptr<int64_t>() : nullptr;
   p.packed = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
   p.words = packed_words(N);
   p.batch = B;
   p.n = N;
-  p.hq = Hq;
-  p.hkv = Hkv;
-  p.d = D;
-  p.s_max = S;
-  p.scale = attention_scale(scale, D);
-  p.out = out.data_ptr();
-  const AttentionWorkspace ws = plan_attention_splits(op, kBackend, q, num_splits, B, N, Hq, Hkv, D, S);
-  p.split = ws.split;
-  run_op<kBackend>(op, kAttentionKernels, p, q, B * Hkv, 1);
+  run_attention<kBackend>(op, kAttentionKernels, p, q, out, N, Hq, Hkv, D, S, S, scale, num_splits);
   return out;
 }
 

@@ -2,7 +2,7 @@
 measured cost profiles (and their cache), the AutoBudget policy and its replay on recorded drafts.
 Imports ddtree.ops, ddtree.parallel and ddtree.models; the loop that runs it is passed in."""
 from .auto import AutoBudget
-from .auto_policy import auto_policy
+from .policy_setup import auto_policy
 from .calibrate import CyclingBuckets, calibrate
 from .calibration import Calibration
 from .costs import (CostProfile, build_version, cache_dir, cache_key, cycle_relative_costs,

@@ -23,7 +23,7 @@ from ..version import __version__
 def model_key(model) -> str:
     """The architecture (config without its path, parameter shapes) and the attention path (the
     target's attention implementation, the drafter's fused_attention setting, the LM head's
-    class: hf.PackedLinear or not, each other linear's packed_min_rows): what a round's cost
+    class: models.PackedLinear or not, each other linear's packed_min_rows): what a round's cost
     depends on. Weight values do not matter, so no device read."""
     if model is None:
         return "none"

@@ -43,7 +43,7 @@ class Sampler:
 
 
 class RankCheckedSampler:
-    """A tensor-parallel debug wrapper (DDTREE_TP_CHECK=1, ddtree.distributed.rank_check): every
+    """A tensor-parallel debug wrapper (DDTREE_TP_CHECK=1, ddtree.parallel.rank_check): every
     walk's tree and verdict are compared across ranks before anything is committed."""
 
     def __init__(self, sampler: Sampler, check):

@@ -358,7 +358,7 @@ class DFlashDrafter(nn.Module):
         returns the logits [B, R - 1, V] of a block of R = block_rows rows (2 .. block_size,
         default block_size: a tree that goes no deeper than R - 1 needs no more; the block's
         rows attend to each other, so a shorter block drafts slightly different logits) — with
-        vocab_shard (a tensor-parallel target, ddtree.distributed) only this rank's columns
+        vocab_shard (a tensor-parallel target, ddtree.parallel) only this rank's columns
         [B, R - 1, V_local]; RoPE from rope_table's rows when given (every position < its
         length). Graph-capturable on static buffers."""
         block_rows = block_rows or self.block_size

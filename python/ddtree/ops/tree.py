@@ -190,7 +190,7 @@ def draft_tree(
 ) -> DraftTree:
     """Draft logits [B, L, V] -> the optimal DraftTree of `budget` nodes: tree_topk -> build_tree.
     K defaults to min(budget, V, 1024), which is sufficient for the optimal tree (spec §3). With
-    vocab_shard (ddtree.distributed.VocabShard), the logits are this rank's vocabulary columns
+    vocab_shard (ddtree.parallel.VocabShard), the logits are this rank's vocabulary columns
     [B, L, V_local] and the top-k is the sharded one (the same result on every rank)."""
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
         raise ValueError(f"draft_to_tree: budget must be an integer >= 0, got {budget!r}")
