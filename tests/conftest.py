@@ -56,6 +56,10 @@ SLOW_TESTS = (
     "test_generate_loop.py::test_lossless_hybrid_target[tree-qwen3_next]",
     "test_generate_loop.py::test_budget_above_the_vocabulary",
     "test_ops_topk.py::test_cpu_baseline_isa_loops",
+    "test_ops_draft_attention.py::test_cpu_loops_of_every_instruction_set",
+    "test_generate_loop.py::test_lossless_with_the_packed_lm_head[head+linears-tree-auto]",
+    "test_generate_loop.py::test_lossless_with_the_packed_lm_head[head-tree-auto]",
+    "test_budget_replay.py::test_command_line_records_from_a_given_prompt_and_replays_stored_records",
 )
 
 
@@ -74,7 +78,7 @@ def pytest_terminal_summary(terminalreporter):
     """How many trees the fuzz tests checked (tests/test_ops_fuzz.py), per op and backend."""
     import sys
 
-    fuzz = sys.modules.get("test_fuzz")
+    fuzz = sys.modules.get("test_ops_fuzz")
     if fuzz is not None and fuzz.TREES:
         total = sum(fuzz.TREES.values())
         terminalreporter.write_line(
