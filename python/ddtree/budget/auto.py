@@ -199,10 +199,9 @@ class AutoBudget(Policy):
         speed-up replaces the learned one (finish); where that is still below 1, or where none
         of its rounds drafted on its expected gains (only probes did), the plain generations
         before the next re-check double (up to REFRESH_MAX: drafting that keeps not paying costs
-        ever fewer re-checks). A re-check judged on its first drafted round alone
-        was tried: one round's per-request estimates are single drafts, and the batch is priced
-        by its least confident request, so it found drafting not paying where whole generations
-        measured it paying (docs/budgets.md)."""
+        ever fewer re-checks). A whole generation, not its first drafted round, is the check:
+        one round's per-request estimates are single drafts and the batch is priced by its least
+        confident request (docs/budgets.md)."""
         if self.never_drafts(depth):
             self.plain_reason = "no tree could pay even if every node were accepted"
             return True

@@ -58,7 +58,7 @@ class Verdict(NamedTuple):
     bonus: torch.Tensor       # int64 [B] target token after the accepted path
 
 
-GreedyVerdict = Verdict  # the earlier name (sampling returns the same tuple)
+GreedyVerdict = Verdict  # the greedy walk's verdict: the same tuple as sampling's
 
 
 def build_tree(
