@@ -187,6 +187,8 @@ def test_loop_arguments_of_other_types_work_or_are_named():
         generate_batch(target, drafter, torch.tensor([[1, 2]]), 4)
     with pytest.raises(TypeError, match="input_ids must be a \\[1, P\\] tensor"):
         generate(target, drafter, "1 2 3", 4)
+    with pytest.raises(TypeError, match="policy must be a ddtree.budget.Policy .*, got object"):
+        generate(target, drafter, [1, 2, 3], 4, budget="auto", policy=object())
 
 
 def test_draft_to_tree_names_a_bad_budget():

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, List, Optional
 import torch
 
 from .. import parallel
-from ..budget import BUCKETS, CostProfile, GenerationReport, auto_policy
+from ..budget import BUCKETS, CostProfile, GenerationReport, Policy, auto_policy
 from ..budget import calibrate as measure_costs
 from ..ops import validation
 from .checks import as_token_ids, check_request
@@ -87,6 +87,9 @@ def generate_batch(target, drafter: Optional[Drafter], prompts, max_new_tokens: 
     prompts, budgets, is_hybrid, stops = check_request(
         target, drafter, prompts, max_new_tokens, mode, budget, temperature, top_k, top_p, seed,
         stop_token_ids)
+    if budget == "auto" and policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"generate: policy must be a ddtree.budget.Policy (AutoBudget, "
+                        f"FixedBucket or a subclass), got {type(policy).__name__}")
     if budget == "auto" and policy is None:
         policy = auto_policy(target, drafter, len(prompts), cost_profile,
                              run=calibration_run(target, drafter))
