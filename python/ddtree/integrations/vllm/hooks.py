@@ -36,11 +36,14 @@ def hook_engine_args() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         config = self.speculative_config
         if isinstance(config, dict) and config.get("method") == METHOD:
-            dflash, options = parse(config, _target_config_dict(target_model_config))
+            dflash, options = parse(config, _target_config_dict(target_model_config),
+                                    hybrid=bool(target_model_config.is_hybrid))
             os.environ[ENV] = options.to_json()   # inherited by the engine processes
             self.speculative_config = dflash
             hook_runner()                         # an engine in this very process
             hook_cpu_attention()
+        else:
+            os.environ.pop(ENV, None)             # an engine of another method: vLLM's code
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config._ddtree = True

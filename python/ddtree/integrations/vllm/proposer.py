@@ -15,6 +15,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from ...ops import build_tree, tree_topk
 from .auto import StepBudget
 from .options import active_options
+from .runner import check_target_runs
 
 
 class ProposedTree(NamedTuple):
@@ -26,6 +27,16 @@ class ProposedTree(NamedTuple):
 
 
 class DDTreeProposer(DFlashProposer):
+    """Installed under vLLM's name DFlashProposer in the model runner (hooks.py): an engine whose
+    method is vLLM's own "dflash" (no ddtree options in this process) gets vLLM's proposer."""
+
+    def __new__(cls, vllm_config, *args, **kwargs):
+        if active_options() is None:
+            proposer = DFlashProposer.__new__(DFlashProposer)
+            proposer.__init__(vllm_config, *args, **kwargs)
+            return proposer
+        return super().__new__(cls)
+
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.model_runner = runner   # its input_batch orders the requests of each proposal
@@ -33,13 +44,21 @@ class DDTreeProposer(DFlashProposer):
         assert options is not None, "DDTreeProposer needs the ddtree options (ddtree plug-in)"
         self.options = options
         self.draft_len = options.draft_len
-        # Hybrid targets: vLLM's GDN layers advance their state along the scheduled tokens as a
-        # chain (model_executor/layers/mamba/gdn: the state after the accepted prefix is picked
-        # by num_accepted_tokens), so a branching tree would corrupt it: chains only there.
+        # Hybrid targets: chains of exactly draft_len drafts, or none. vLLM's CPU GDN spec path
+        # (model_executor/layers/mamba/ops/cpu/gdn_attention.py: _spec_forward) advances the
+        # conv / SSM state along the scheduled tokens as a chain and rolls its conv buffer as if
+        # every speculating request had num_speculative_tokens drafts; a branching tree or a
+        # shorter list would corrupt the state; a step after one without drafts fails there
+        # ('The size of tensor a (18) must match the size of tensor b (16)'). So budget / "auto"
+        # do not size hybrid trees.
         self.chain_only = bool(vllm_config.model_config.is_hybrid)
         self.budget = StepBudget(options, self.draft_len)
         self.trees: Dict[str, ProposedTree] = {}
         self._draft_logits: Optional[torch.Tensor] = None
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        check_target_runs(self.vllm_config)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # The parallel pass's block rows [B * L, H]: keep the logits, build trees in propose.
@@ -64,6 +83,11 @@ class DDTreeProposer(DFlashProposer):
         tree = build_tree(logprobs, ids, roots, min(self.options.max_budget, self.draft_len)
                           if self.chain_only else self.options.max_budget)
         budgets = self.budget.choose(tree, batch)
+        if self.chain_only:   # full chains for every request, every step (see __init__)
+            budgets = [self.draft_len] * batch
+            gains = tree.path_logprobs.exp().nan_to_num(0.0).cumsum(1) - 1.0
+            self.budget.last_expected = [float(gains[b, min(n, gains.shape[1] - 1)])
+                                         for b, n in enumerate(budgets)]
         expected = self.budget.last_expected
         tokens = tree.node_tokens.tolist()
         parents = tree.parents.tolist()

@@ -262,12 +262,35 @@ class Verifier:
         self.last_step = now
 
 
+def _isa_error(isa, detail: str) -> ValueError:
+    return ValueError(f"ddtree: vLLM's CPU attention uses ISA {isa!r} for this target ({detail}); "
+                      f"ddtree's paged tree attention reads the {SUPPORTED_ISAS} cache layouts "
+                      f"only: serve this target with speculative method 'dflash' or without one")
+
+
+def check_target_runs(vllm_config) -> None:
+    """At start-up: the target's attention layout is one ddtree's tree attention can read."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ValueError("ddtree: the vLLM integration runs on vLLM's CPU backend; the GPU "
+                         "attention backends have no tree-attention hook yet")
+    from vllm.v1.attention.backends import cpu_attn
+
+    model = vllm_config.model_config
+    block_size = vllm_config.cache_config.block_size
+    head_size = model.get_head_size()
+    isa = cpu_attn._get_attn_isa(model.dtype, block_size, head_size,
+                                 vllm_config.cache_config.cache_dtype)
+    if isa not in SUPPORTED_ISAS:
+        raise _isa_error(isa, f"dtype {model.dtype}, block_size {block_size}, head_size "
+                              f"{head_size}")
+
+
 def check_attention_isa(layer) -> None:
     isa = getattr(layer, "isa", None)
     if isa is not None and isa not in SUPPORTED_ISAS:
-        raise ValueError(f"ddtree: vLLM's CPU attention picked ISA {isa!r} for this target "
-                         f"(dtype / block_size / head_size); ddtree's paged tree attention reads "
-                         f"the {SUPPORTED_ISAS} layouts only: use speculative method 'dflash' here")
+        raise _isa_error(isa, "picked at run time")
 
 
 def tree_attention_rows(impl, layer, query, kv_cache, attn_metadata, output) -> None:
