@@ -127,7 +127,7 @@ serve-vllm: vllm-env
 	  --model $(EMBEDDED)/target --dtype bfloat16 --no-enable-prefix-caching --port $${PORT:-8000} \
 	  --speculative-config '{"method": "ddtree", "model": "$(EMBEDDED)/drafter", "budget": "auto"}'
 bench-vllm: vllm-env
-	$(VLLM_ENV) $(VLLM_VENV)/bin/python bench/vllm_serving.py
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python bench/bench_vllm_serving.py
 
 clean:
 	rm -rf build dist python/ddtree/_C*.so

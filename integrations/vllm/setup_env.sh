@@ -17,9 +17,9 @@ if [ ! -f "$STAMP" ]; then
     -q --no-deps --force-reinstall "torch==2.13.0"
   PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= "$VENV/bin/pip" install --disable-pip-version-check \
     -q "torch==2.13.0"
-  "$VENV/bin/pip" install --disable-pip-version-check -q pybind11 pytest hypothesis
   touch "$STAMP"
 fi
+"$VENV/bin/pip" install --disable-pip-version-check -q pybind11 pytest hypothesis matplotlib
 # ddtree itself, built in its own copy of the sources (build-vllm/src: the core build's objects,
 # compiled against the core's torch, stay untouched; ninja rebuilds only what changed)
 mkdir -p build-vllm/src

@@ -1,4 +1,5 @@
-"""Sampling through ddtree's verify_sample inside vLLM: reproducible per seed, and distributed as
+"""Sampling through ddtree's verify_sample inside vLLM: reproducible per seed, parameters its
+verification does not apply refused by name (HTTP 400), and distributed as
 the target's own distribution: token 2 of many seeded draws (drawn by ddtree's tree walk) against
 the target's exact conditional distribution (vLLM's 64 log-probabilities on the dense pair's
 64-token vocabulary), through the randomised probability-integral transform and a chi-square
@@ -7,8 +8,10 @@ from __future__ import annotations
 
 import math
 import random
+import urllib.error
 from collections import Counter
 
+import pytest
 import torch
 from conftest import Server, complete, complete_all, ddtree_config, held_out_prompts
 
@@ -52,6 +55,12 @@ def test_sampling_reproducible_per_seed_and_distributed_as_the_target(dense_pair
         again = complete(server.url, prompt, 12, seed=123, **params)["token_ids"]
         other = complete(server.url, prompt, 12, seed=124, **params)["token_ids"]
         # token 1 comes from the prefill step (vLLM's sampler), token 2 from ddtree's tree walk
+        for name, value in (("presence_penalty", 0.5), ("repetition_penalty", 1.2),
+                            ("logprobs", 2), ("min_p", 0.1)):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                complete(server.url, prompt, 4, **{name: value}, **params)
+            assert refused.value.code == 400
+            assert name in refused.value.read().decode()   # ddtree's message or vLLM's own
         draws = complete_all(server.url, [prompt] * SAMPLES, 2, clients=32,
                              seed=None, **params)
     assert first == again

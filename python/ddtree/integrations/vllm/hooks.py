@@ -50,6 +50,46 @@ def hook_engine_args() -> None:
     EngineArgs.create_speculative_config = create_speculative_config
 
 
+# Sampling parameters vLLM's rejection sampler applies and ddtree's verify does not: refused per
+# request (HTTP 400 naming the parameter), never silently ignored.
+UNSUPPORTED = (("logprobs", lambda p: p.logprobs is not None),
+               ("prompt_logprobs", lambda p: p.prompt_logprobs is not None),
+               ("presence_penalty", lambda p: p.presence_penalty != 0.0),
+               ("frequency_penalty", lambda p: p.frequency_penalty != 0.0),
+               ("repetition_penalty", lambda p: p.repetition_penalty != 1.0),
+               ("min_p", lambda p: p.min_p > 0.0),
+               ("logit_bias", lambda p: bool(p.logit_bias)),
+               ("bad_words", lambda p: bool(p.bad_words)),
+               ("allowed_token_ids", lambda p: p.allowed_token_ids is not None),
+               ("structured_outputs", lambda p: p.structured_outputs is not None))
+
+
+def hook_request_validation() -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+    if getattr(original, "_ddtree", False):
+        return
+
+    @functools.wraps(original)
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        if isinstance(params, SamplingParams) and active_options() is not None:
+            for name, used in UNSUPPORTED:
+                if used(params):
+                    from vllm.exceptions import VLLMValidationError
+
+                    raise VLLMValidationError(
+                        f"{name} is not supported with speculative method 'ddtree' (its tree "
+                        f"verification applies temperature, top_k and top_p only)",
+                        parameter=name)
+        return result
+
+    _validate_params._ddtree = True
+    InputProcessor._validate_params = _validate_params
+
+
 def hook_runner() -> None:
     from vllm.v1.worker import gpu_model_runner as gmr
 
@@ -148,6 +188,7 @@ def install() -> None:
     """The plug-in: the engine-args hook always (it acts on method "ddtree" only), the runner and
     attention hooks in processes that serve a ddtree engine."""
     hook_engine_args()
+    hook_request_validation()
     if active_options() is not None:
         hook_runner()
         hook_cpu_attention()
