@@ -126,10 +126,12 @@ def main(argv=None) -> None:
     block = json.loads((drafter / "config.json").read_text())["block_size"] - 1
     chosen = {k: v for k, v in modes(drafter, block).items()
               if args.modes is None or k in args.modes}
-    logs = Path(args.out).with_suffix(".logs")
-    logs.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))   # one server log per mode
     servers = {}
     try:
+        print(f"server logs: {logs}", flush=True)
         for mode, extra in chosen.items():   # one at a time: start-up compiles and loads
             servers[mode] = Server(target, "--dtype", "bfloat16", "--no-enable-prefix-caching",
                                    "--max-num-seqs", str(max(args.concurrency)), *extra,

@@ -20,6 +20,15 @@ import os
 from .options import ENV, METHOD, active_options, parse
 
 
+def _first_hook(cls) -> bool:
+    """Marks `cls` as wrapped; False when it already was (install runs in every process and
+    again for each ddtree engine of a process)."""
+    if getattr(cls, "_ddtree_hooked", False):
+        return False
+    cls._ddtree_hooked = True
+    return True
+
+
 def _target_config_dict(target_model_config):
     hf = getattr(target_model_config, "hf_config", None)
     return hf.to_dict() if hf is not None else None
@@ -97,9 +106,8 @@ def hook_runner() -> None:
     from .runner import ActiveRows, Verifier, build_plan, tree_positions
 
     runner_cls = gmr.GPUModelRunner
-    if getattr(runner_cls, "_ddtree_hooked", False):
+    if not _first_hook(runner_cls):
         return
-    runner_cls._ddtree_hooked = True
     gmr.DFlashProposer = DDTreeProposer
 
     init, execute_model = runner_cls.__init__, runner_cls.execute_model
@@ -168,9 +176,8 @@ def hook_cpu_attention() -> None:
     from .runner import tree_attention_rows
 
     impl_cls = cpu_attn.CPUAttentionBackendImpl
-    if getattr(impl_cls, "_ddtree_hooked", False):
+    if not _first_hook(impl_cls):
         return
-    impl_cls._ddtree_hooked = True
     forward = impl_cls.forward
 
     @functools.wraps(forward)
