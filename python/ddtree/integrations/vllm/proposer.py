@@ -23,6 +23,8 @@ class ProposedTree(NamedTuple):
     tokens: List[int]
     parents: List[int]
     depths: List[int]
+    first_child: List[int]    # build_tree's links, rows cut to the tree (links to cut rows stay:
+    next_sibling: List[int]   # the walks stop at num_nodes, see ddtree.ops.first_nodes)
     expected: float = 0.0   # the drafter's expected accepted nodes of this tree (for "auto")
 
 
@@ -92,12 +94,14 @@ class DDTreeProposer(DFlashProposer):
         tokens = tree.node_tokens.tolist()
         parents = tree.parents.tolist()
         depths = tree.depths.tolist()
+        first_child, next_sibling = tree.first_child.tolist(), tree.next_sibling.tolist()
         num_nodes = tree.num_nodes.tolist()
         self.trees = {}
         drafts = []
         for b, req_id in enumerate(req_ids):
             n = min(num_nodes[b], budgets[b] + 1)
             self.trees[req_id] = ProposedTree(tokens[b][:n], parents[b][:n], depths[b][:n],
-                                             expected[b])
+                                              first_child[b][:n], next_sibling[b][:n],
+                                              expected[b])
             drafts.append(tokens[b][1:n])
         return drafts

@@ -36,6 +36,8 @@ class RequestTree(NamedTuple):
     tokens: List[int]   # node tokens, root first
     parents: List[int]
     depths: List[int]
+    first_child: List[int]
+    next_sibling: List[int]
 
 
 class StepPlan(NamedTuple):
@@ -47,19 +49,6 @@ class ActiveRows:
     """The tree rows of the target forward in flight (None outside it: the drafter's own forward
     and every non-ddtree engine see vLLM's attention unchanged)."""
     rows: Optional[TreeRows] = None
-
-
-def _links(parents: List[int]):
-    n = len(parents)
-    first_child, next_sibling, last = [-1] * n, [-1] * n, [-1] * n
-    for i in range(1, n):
-        p = parents[i]
-        if first_child[p] < 0:
-            first_child[p] = i
-        else:
-            next_sibling[last[p]] = i
-        last[p] = i
-    return first_child, next_sibling
 
 
 def build_plan(runner, scheduler_output) -> StepPlan:
@@ -74,11 +63,12 @@ def build_plan(runner, scheduler_output) -> StepPlan:
         n = len(drafts) + 1
         tree = proposed.get(req_id)
         if tree is not None and len(tree.tokens) >= n and list(tree.tokens[1:n]) == drafts:
-            parents, depths = list(tree.parents[:n]), list(tree.depths[:n])
+            links = (tree.parents[:n], tree.depths[:n], tree.first_child[:n],
+                     tree.next_sibling[:n])
         else:  # not proposed here (resumed request, no drafts): verify the drafts as a chain
-            parents, depths = list(range(-1, n - 1)), list(range(n))
+            links = (list(range(-1, n - 1)), list(range(n)), list(range(1, n)) + [-1], [-1] * n)
         root = 0  # the root's token is already committed input; verification does not read it
-        trees.append(RequestTree(r, starts[r], [root] + drafts, parents, depths))
+        trees.append(RequestTree(r, starts[r], [root] + drafts, *map(list, links)))
     branching = [t for t in trees if any(p != i - 1 for i, p in enumerate(t.parents) if i)]
     if not branching:
         return StepPlan(trees, None)
@@ -117,9 +107,8 @@ def _padded_tree(plan: StepPlan) -> DraftTree:
                                  ("first_child", -1), ("next_sibling", -1))}
     for i, t in enumerate(plan.trees):
         n = len(t.parents)
-        first_child, next_sibling = _links(t.parents)
         for name, values in (("tokens", t.tokens), ("parents", t.parents), ("depths", t.depths),
-                             ("first_child", first_child), ("next_sibling", next_sibling)):
+                             ("first_child", t.first_child), ("next_sibling", t.next_sibling)):
             fields[name][i, :n] = torch.tensor(values)
     num_nodes = torch.tensor([len(t.parents) for t in plan.trees], dtype=torch.int64)
     return DraftTree(fields["tokens"], fields["parents"], fields["depths"], fields["first_child"],
