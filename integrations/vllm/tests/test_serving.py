@@ -60,7 +60,7 @@ def wait_idle(server: Server, timeout: float = 60.0):
 
 @pytest.mark.parametrize("pair", ["embedded", "dense"])
 def test_ragged_streaming_load_frees_every_block(embedded_pair, dense_pair, pair, tmp_path):
-    # embedded: the hybrid pair as shipped (bf16, chains, text prompts and stop strings);
+    # embedded: the hybrid pair as shipped (bf16, "auto" trees, text prompts and stop strings);
     # dense: fp32 trees of up to 64 nodes (token-id prompts, stop token ids)
     target, drafter = embedded_pair if pair == "embedded" else dense_pair
     prompts = PROMPTS if pair == "embedded" else held_out_prompts(8, seed=3)

@@ -3,12 +3,21 @@ expected tokens per second, priced with this engine's measured step times.
 
 Gain: a request's tree of n nodes is expected to yield 1 + c * sum of its first n nodes' path
 probabilities (spec §3's objective; c calibrates the drafter: observed accepted / predicted, running).
-Cost: the step's wall time, fitted online as a + b * tokens + e * requests (least squares over
-the recent steps; tokens = requests + tree nodes, the scheduled verify tokens). The best total is
-found over the batch's nodes sorted by path probability (every request's rows are non-increasing,
-so the top T nodes are per-request prefixes, i.e. trees). Until the fit has seen a spread of
-token counts, steps cycle through fractions of the largest tree (exploration), and every
-`refresh`-th step tries a random fraction so the fit follows the load.
+Cost: the step's wall time, fitted online as a + b * tokens + e * requests + d * draft rows
+(least squares over the recent steps; tokens = requests + tree nodes, the scheduled verify tokens;
+draft rows = the drafter's block queries, requests * draft_len when the step drafted, 0 when not).
+The best total is found over the batch's nodes sorted by path probability (every request's rows
+are non-increasing, so the top T nodes are per-request prefixes, i.e. trees).
+
+Whether to draft at all is decided before the drafter runs (`draft_step`): drafting pays when the
+recent drafting steps' expected tokens per request, over the fitted cost of such a step, beat one
+token per request over the cost of a step without drafts. A step without drafts runs vLLM's
+K = 0 drafter path (the drafter's context K/V stay in sync; one query row per request) and
+verifies the bonus token alone: autoregressive decoding inside the speculative engine.
+
+Until the fit has seen a spread of token counts, steps cycle through fractions of the largest
+tree and steps without drafts (exploration); every `refresh`-th step tries a random fraction and
+every `refresh_mode`-th step the other draft / no-draft choice, so the fit follows the load.
 """
 from __future__ import annotations
 
@@ -26,25 +35,35 @@ EXPLORE = (1.0, 0.5, 0.25, 0.125, 0.0)
 
 class StepBudget:
     def __init__(self, options, draft_len: int, window: int = 256, warmup: int = 20,
-                 refresh: int = 16, seed: int = 0):
+                 refresh: int = 16, refresh_mode: int = 32, seed: int = 0):
         self.options = options
         self.draft_len = draft_len
-        self.samples = deque(maxlen=window)   # (tokens, requests, seconds)
-        self.warmup, self.refresh = warmup, refresh
-        self.steps = 0
+        self.samples = deque(maxlen=window)   # (tokens, requests, draft rows, seconds)
+        self.warmup, self.refresh, self.refresh_mode = warmup, refresh, refresh_mode
+        self.steps = 0       # choose() calls (drafting steps)
+        self.decisions = 0   # draft_step() calls
         self.accepted, self.predicted = 1.0, 1.0   # calibration sums (prior: c = 1)
         self.rng = random.Random(seed)
         self.last_expected: List[float] = []
+        self.draft_rows = 0              # the drafter's block queries for the next verify step
+        self.gain, self.nodes = 1.0, 1.0  # drafting steps' expected tokens / nodes per request
+        self.fit = None
 
     # measurements ---------------------------------------------------------------------------
+    def drafted(self, rows: int) -> None:
+        """The drafter's block queries for the step about to be verified (0: no drafts)."""
+        self.draft_rows = int(rows)
+
     def observe_step(self, tokens: int, requests: int, seconds: float) -> None:
-        # An idle engine's gap before a step is not the step's cost: outliers are dropped.
-        if len(self.samples) >= 8:
-            typical = float(np.median([s[2] for s in self.samples]))
+        # An idle engine's gap before a step is not the step's cost: outliers (against the steps
+        # of the same kind, drafting or not) are dropped.
+        alike = [s for s in self.samples if (s[2] > 0) == (self.draft_rows > 0)]
+        if len(alike) >= 8:
+            typical = float(np.median([s[3] for s in alike]))
             if seconds > 4.0 * typical * max(1.0, tokens / max(1.0, np.median(
-                    [s[0] for s in self.samples]))):
+                    [s[0] for s in alike]))):
                 return
-        self.samples.append((tokens, requests, seconds))
+        self.samples.append((tokens, requests, self.draft_rows, seconds))
 
     def observe_accepts(self, accepted: float, predicted: float) -> None:
         decay = 0.98
@@ -56,18 +75,41 @@ class StepBudget:
         return float(min(1.0, max(0.05, self.accepted / max(self.predicted, 1e-6))))
 
     def cost_fit(self):
-        """(a, b, e) of seconds = a + b * tokens + e * requests, or None while too few steps."""
+        """(a, b, e, d) of seconds = a + b * tokens + e * requests + d * draft rows, or None while
+        too few steps; the last fit while the recent steps show no spread of token counts."""
         if len(self.samples) < 8:
             return None
         data = np.asarray(self.samples, dtype=np.float64)
         if np.ptp(data[:, 0]) < 2:
-            return None
-        x = np.stack([np.ones(len(data)), data[:, 0], data[:, 1]], 1)
-        ridge = 1e-9 * np.eye(3)
-        a, b, e = np.linalg.solve(x.T @ x + ridge, x.T @ data[:, 2])
-        return max(a, 1e-6), max(b, 0.0), e
+            return self.fit
+        x = np.stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]], 1)
+        scale = np.maximum(np.abs(x).max(0), 1.0)      # columns of one magnitude for the ridge
+        xs = x / scale
+        coef = np.linalg.solve(xs.T @ xs + 1e-6 * np.eye(4), xs.T @ data[:, 3]) / scale
+        a, b, e, d = coef
+        self.fit = max(a, 1e-6), max(b, 0.0), e, max(d, 0.0)
+        return self.fit
 
-    # decision ---------------------------------------------------------------------------------
+    # decisions --------------------------------------------------------------------------------
+    def draft_step(self, batch: int) -> bool:
+        """Whether this step drafts (fixed budgets always do)."""
+        if self.options.budget != "auto":
+            return True
+        self.decisions += 1
+        fit = self.cost_fit()
+        if fit is None or self.decisions <= self.warmup:
+            return self.decisions % 3 != 0
+        pays = self.drafting_pays(fit, batch)
+        return (not pays) if self.decisions % self.refresh_mode == 0 else pays
+
+    def drafting_pays(self, fit, batch: int) -> bool:
+        """Expected tokens/s of a drafting step (the recent drafting steps' gain and tree size per
+        request) above that of a step without drafts, both priced with the fit."""
+        a, b, e, d = fit
+        plain = a + b * batch + e * batch
+        drafting = a + b * batch * (1.0 + self.nodes) + e * batch + d * batch * self.draft_len
+        return batch * (1.0 + self.gain) / max(drafting, 1e-9) > batch / max(plain, 1e-9)
+
     def choose(self, tree: DraftTree, batch: int) -> List[int]:
         """Per-request budgets (nodes, root excluded) for this step's trees."""
         top = tree.node_tokens.shape[1] - 1
@@ -78,6 +120,11 @@ class StepBudget:
             budgets = self._auto(probs, batch)
         self.last_expected = [float(probs[b, :n].sum()) for b, n in enumerate(budgets)]
         self.steps += 1
+        if batch:
+            decay = 0.9
+            self.gain = decay * self.gain + (1 - decay) * self.calibration * float(
+                sum(self.last_expected)) / batch
+            self.nodes = decay * self.nodes + (1 - decay) * sum(budgets) / batch
         return budgets
 
     def _fraction_budgets(self, probs: torch.Tensor, fraction: float) -> List[int]:
@@ -89,7 +136,7 @@ class StepBudget:
             return self._fraction_budgets(probs, EXPLORE[self.steps % len(EXPLORE)])
         if self.steps % self.refresh == 0:
             return self._fraction_budgets(probs, self.rng.choice(EXPLORE[1:]))
-        a, b, e = fit
+        a, b, e, _ = fit
         c = self.calibration
         flat, _ = probs.reshape(-1).sort(descending=True)
         gains = batch + c * torch.cat([flat.new_zeros(1), flat.cumsum(0)])       # [B*M + 1]

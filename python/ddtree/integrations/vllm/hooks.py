@@ -9,6 +9,10 @@
   forward, ddtree's verify instead of the chain rejection sampler, the accepted path committed.
 - v1/attention/backends/cpu_attn.py `CPUAttentionBackendImpl.forward`: the tree rows recomputed
   with ddtree's tree_attention (runner.tree_attention_rows).
+- model_executor/layers/mamba/ops/cpu/gdn_attention.py `_spec_forward` (hybrid targets): the Gated
+  DeltaNet layers' speculative rows run as trees, the accepted path committed after verify;
+  model_executor/layers/mamba/gdn/base.py `GatedDeltaNetAttention.get_kv_cache_spec`: one state
+  block per request (gdn.py).
 Engines whose speculative method is not "ddtree" run vLLM's code unchanged: every wrapper checks
 for the runner's ddtree state first.
 """
@@ -45,12 +49,12 @@ def hook_engine_args() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         config = self.speculative_config
         if isinstance(config, dict) and config.get("method") == METHOD:
-            dflash, options = parse(config, _target_config_dict(target_model_config),
-                                    hybrid=bool(target_model_config.is_hybrid))
+            dflash, options = parse(config, _target_config_dict(target_model_config))
             os.environ[ENV] = options.to_json()   # inherited by the engine processes
             self.speculative_config = dflash
             hook_runner()                         # an engine in this very process
             hook_cpu_attention()
+            hook_gdn()
         else:
             os.environ.pop(ENV, None)             # an engine of another method: vLLM's code
         return original(self, target_model_config, target_parallel_config)
@@ -103,6 +107,7 @@ def hook_runner() -> None:
     from vllm.v1.worker import gpu_model_runner as gmr
 
     from .proposer import DDTreeProposer
+    from .gdn import ActiveTrees
     from .runner import ActiveRows, Verifier, build_plan, tree_positions
 
     runner_cls = gmr.GPUModelRunner
@@ -111,6 +116,7 @@ def hook_runner() -> None:
     gmr.DFlashProposer = DDTreeProposer
 
     init, execute_model = runner_cls.__init__, runner_cls.execute_model
+    prepare_inputs = runner_cls._prepare_inputs
     model_forward, sample = runner_cls._model_forward, runner_cls._sample
     sample_tokens = runner_cls.sample_tokens
 
@@ -120,27 +126,53 @@ def hook_runner() -> None:
         drafter = getattr(self, "drafter", None)
         self._ddtree = Verifier(self) if isinstance(drafter, DDTreeProposer) else None
         self._ddtree_scheduled = self._ddtree_plan = self._ddtree_state = None
+        self._ddtree_decoding = None
 
     @functools.wraps(execute_model)
     def execute_model_(self, scheduler_output, *args, **kwargs):
         if getattr(self, "_ddtree", None) is not None:
             self._ddtree_scheduled = scheduler_output
-            self._ddtree_plan = None
+            self._ddtree_plan = self._ddtree_decoding = None
             self._ddtree.forget(scheduler_output.finished_req_ids)
         return execute_model(self, scheduler_output, *args, **kwargs)
 
+    @functools.wraps(prepare_inputs)
+    def _prepare_inputs(self, *args, **kwargs):
+        result = prepare_inputs(self, *args, **kwargs)
+        if getattr(self, "_ddtree", None) is not None:
+            # vLLM marks a decoding request without drafts as a speculative row with 0 drafts
+            # (its GDN state sits at an offset only its spec path applies). ddtree keeps the
+            # committed GDN state where a plain decode reads it (gdn.py), so such a row is a
+            # plain decode for the GDN layers: vLLM's one-token kernels advance it in place.
+            drafts = self.num_decode_draft_tokens.np[:self.input_batch.num_reqs]
+            self._ddtree_decoding = drafts >= 0
+            if (drafts == 0).any():
+                drafts[drafts == 0] = -1
+                self.num_decode_draft_tokens.copy_to_gpu()
+        return result
+
+    def verifies(self) -> bool:
+        """A target forward ddtree verifies: some request decodes (with drafts or without)."""
+        scheduled = self._ddtree_scheduled
+        if getattr(self, "_ddtree", None) is None or scheduled is None:
+            return False
+        decoding = self._ddtree_decoding
+        return bool(scheduled.scheduled_spec_decode_tokens) or bool(
+            decoding is not None and decoding.any())
+
     @functools.wraps(model_forward)
     def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-        if getattr(self, "_ddtree", None) is None or self._ddtree_scheduled is None \
-                or not self._ddtree_scheduled.scheduled_spec_decode_tokens:
+        if not verifies(self):
             return model_forward(self, input_ids, positions, *args, **kwargs)
         plan = build_plan(self, self._ddtree_scheduled)
         self._ddtree_plan = plan
         ActiveRows.rows = plan.rows
+        ActiveTrees.current, ActiveTrees.steps = plan.recurrent, []
         try:
             return model_forward(self, input_ids, tree_positions(positions, plan), *args, **kwargs)
         finally:
             ActiveRows.rows = None
+            ActiveTrees.current = None
 
     @functools.wraps(sample)
     def _sample(self, logits, spec_decode_metadata):
@@ -165,6 +197,7 @@ def hook_runner() -> None:
 
     runner_cls.__init__ = __init__
     runner_cls.execute_model = execute_model_
+    runner_cls._prepare_inputs = _prepare_inputs
     runner_cls._model_forward = _model_forward
     runner_cls._sample = _sample
     runner_cls.sample_tokens = sample_tokens_
@@ -191,6 +224,28 @@ def hook_cpu_attention() -> None:
     impl_cls.forward = forward_
 
 
+def hook_gdn() -> None:
+    """Hybrid targets: vLLM's CPU GDN speculative path runs ddtree's trees, and the GDN layers ask
+    for one state block per request (gdn.py)."""
+    from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    from .gdn import spec_forward, spec_without_draft_blocks
+
+    if not getattr(gdn_attention._spec_forward, "_ddtree", False):
+        gdn_attention._spec_forward = spec_forward(gdn_attention._spec_forward)
+    if not _first_hook(GatedDeltaNetAttention):
+        return
+    get_kv_cache_spec = GatedDeltaNetAttention.get_kv_cache_spec
+
+    @functools.wraps(get_kv_cache_spec)
+    def get_kv_cache_spec_(self, vllm_config):
+        spec = get_kv_cache_spec(self, vllm_config)
+        return spec_without_draft_blocks(spec) if active_options() is not None else spec
+
+    GatedDeltaNetAttention.get_kv_cache_spec = get_kv_cache_spec_
+
+
 def install() -> None:
     """The plug-in: the engine-args hook always (it acts on method "ddtree" only), the runner and
     attention hooks in processes that serve a ddtree engine."""
@@ -199,3 +254,4 @@ def install() -> None:
     if active_options() is not None:
         hook_runner()
         hook_cpu_attention()
+        hook_gdn()

@@ -72,11 +72,10 @@ def check_drafter_matches(drafter_dir: str, target_config: dict) -> None:
                          f"{layers}, the target has {n} layers")
 
 
-def parse(config: dict, target_config: Optional[dict] = None, hybrid: bool = False):
+def parse(config: dict, target_config: Optional[dict] = None):
     """speculative_config with method "ddtree" -> (the DFlash dict vLLM builds, DDTreeOptions).
     budget: N (1..MAX_BUDGET) or "auto" (default "auto"); max_budget: auto's ceiling (default 64);
-    draft_len: drafter positions per step (default the drafter's block size - 1). hybrid: the
-    target has recurrent (GDN) layers: it verifies chains of exactly draft_len drafts (proposer)."""
+    draft_len: drafter positions per step (default the drafter's block size - 1)."""
     config = {k.replace("-", "_"): v for k, v in config.items()}
     if config.get("method") != METHOD:
         raise ValueError(f"ddtree speculative_config: method must be {METHOD!r}, "
@@ -110,10 +109,10 @@ def parse(config: dict, target_config: Optional[dict] = None, hybrid: bool = Fal
         max_budget = budget
     options = DDTreeOptions(budget=budget, max_budget=max_budget, draft_len=draft_len)
     dflash = {k: v for k, v in config.items() if k in PASSTHROUGH}
-    # vLLM reserves num_speculative_tokens KV slots per request and sizes the drafter's query
-    # buffers by it: the larger of the tree and the drafter block.
-    dflash.update(method="dflash",
-                  num_speculative_tokens=draft_len if hybrid else max(max_budget, draft_len))
+    # vLLM reserves num_speculative_tokens KV slots per request (hybrid targets: also
+    # num_speculative_tokens + 1 GDN state slots) and sizes the drafter's query buffers by it:
+    # the larger of the tree and the drafter block.
+    dflash.update(method="dflash", num_speculative_tokens=max(max_budget, draft_len))
     return dflash, options
 
 

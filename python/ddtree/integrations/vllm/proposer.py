@@ -46,14 +46,6 @@ class DDTreeProposer(DFlashProposer):
         assert options is not None, "DDTreeProposer needs the ddtree options (ddtree plug-in)"
         self.options = options
         self.draft_len = options.draft_len
-        # Hybrid targets: chains of exactly draft_len drafts, or none. vLLM's CPU GDN spec path
-        # (model_executor/layers/mamba/ops/cpu/gdn_attention.py: _spec_forward) advances the
-        # conv / SSM state along the scheduled tokens as a chain and rolls its conv buffer as if
-        # every speculating request had num_speculative_tokens drafts; a branching tree or a
-        # shorter list would corrupt the state; a step after one without drafts fails there
-        # ('The size of tensor a (18) must match the size of tensor b (16)'). So budget / "auto"
-        # do not size hybrid trees.
-        self.chain_only = bool(vllm_config.model_config.is_hybrid)
         self.budget = StepBudget(options, self.draft_len)
         self.trees: Dict[str, ProposedTree] = {}
         self._draft_logits: Optional[torch.Tensor] = None
@@ -62,6 +54,21 @@ class DDTreeProposer(DFlashProposer):
         super().load_model(target_model)
         check_target_runs(self.vllm_config)
 
+    def _store_context(self, target_token_ids, target_positions, target_hidden_states,
+                       next_token_ids, common_attn_metadata, num_rejected_tokens_gpu=None,
+                       **_):
+        """The first part of vLLM's propose (llm_base_proposer.py `propose`, DFlash's
+        set_inputs_first_pass / build_model_inputs_first_pass): the target's hidden states of
+        the step's tokens projected into the drafter's context K/V, written to its cache."""
+        self.num_speculative_tokens = 0
+        hidden = self.model.combine_hidden_states(target_hidden_states)
+        num_tokens, _, _ = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=hidden,
+            token_indices_to_sample=None, cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu)
+        self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
+
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # The parallel pass's block rows [B * L, H]: keep the logits, build trees in propose.
         logits = self.model.compute_logits(hidden_states)
@@ -69,27 +76,27 @@ class DDTreeProposer(DFlashProposer):
         return logits.argmax(dim=-1), None
 
     def propose(self, num_speculative_tokens, *args, **kwargs):
+        req_ids = list(self.model_runner.input_batch.req_ids)
+        batch = len(req_ids)
+        if not self.budget.draft_step(batch):
+            # No drafts this step ("auto" found they do not pay): the drafter's context K/V
+            # still take in the step's accepted tokens, its query pass does not run.
+            self._store_context(**kwargs)
+            self.trees = {}
+            self.budget.drafted(0)
+            return [[] for _ in req_ids]
         # The drafter queries its block of draft_len positions, whatever the scheduler reserves.
         super().propose(self.draft_len, *args, **kwargs)
+        self.budget.drafted(batch * self.draft_len)
         logits = self._draft_logits
         self._draft_logits = None
         next_token_ids = kwargs["next_token_ids"]
-        req_ids = list(self.model_runner.input_batch.req_ids)
-        batch = len(req_ids)
         logits = logits.view(batch, self.draft_len, -1).float()
         roots = next_token_ids[:batch].long()
-        # Hybrid targets: the top-1 chain (build_tree over the top-1 is chain_tree, with the
-        # path log-probabilities "auto" prices); dense targets: the optimal tree.
-        k = 1 if self.chain_only else min(self.options.max_budget, logits.shape[-1], 1024)
+        k = min(self.options.max_budget, logits.shape[-1], 1024)
         logprobs, ids = tree_topk(logits, k)
-        tree = build_tree(logprobs, ids, roots, min(self.options.max_budget, self.draft_len)
-                          if self.chain_only else self.options.max_budget)
+        tree = build_tree(logprobs, ids, roots, self.options.max_budget)
         budgets = self.budget.choose(tree, batch)
-        if self.chain_only:   # full chains for every request, every step (see __init__)
-            budgets = [self.draft_len] * batch
-            gains = tree.path_logprobs.exp().nan_to_num(0.0).cumsum(1) - 1.0
-            self.budget.last_expected = [float(gains[b, min(n, gains.shape[1] - 1)])
-                                         for b, n in enumerate(budgets)]
         expected = self.budget.last_expected
         tokens = tree.node_tokens.tolist()
         parents = tree.parents.tolist()

@@ -21,9 +21,11 @@ import random
 import time
 from typing import List, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from ...ops import DraftTree, tree_visibility, verify_greedy, verify_sample
+from . import gdn
 from .paged import SUPPORTED_ISAS, TreeRows, commit_path, paged_tree_attention, tree_rows
 
 
@@ -43,6 +45,7 @@ class RequestTree(NamedTuple):
 class StepPlan(NamedTuple):
     trees: List[RequestTree]          # every request of the batch, in batch order
     rows: Optional[TreeRows]          # the branching trees (None: all chains)
+    recurrent: Optional[gdn.SpecTrees] = None  # vLLM's speculative rows (hybrid targets' GDN)
 
 
 class ActiveRows:
@@ -69,9 +72,12 @@ def build_plan(runner, scheduler_output) -> StepPlan:
             links = (list(range(-1, n - 1)), list(range(n)), list(range(1, n)) + [-1], [-1] * n)
         root = 0  # the root's token is already committed input; verification does not read it
         trees.append(RequestTree(r, starts[r], [root] + drafts, *map(list, links)))
+    # the rows vLLM's GDN layers run as speculative ones (num_decode_draft_tokens >= 0: requests
+    # with drafts; hooks._prepare_inputs makes those without plain decodes), see gdn.py
+    recurrent = gdn.spec_trees(trees, runner.num_decode_draft_tokens.np[:num_reqs] >= 0)
     branching = [t for t in trees if any(p != i - 1 for i, p in enumerate(t.parents) if i)]
     if not branching:
-        return StepPlan(trees, None)
+        return StepPlan(trees, None, recurrent)
     n_max = max(len(t.parents) for t in branching)
     parents = torch.full((len(branching), n_max), -1, dtype=torch.int64)
     for i, t in enumerate(branching):
@@ -82,7 +88,7 @@ def build_plan(runner, scheduler_output) -> StepPlan:
                         dtype=torch.int64)
     rows = tree_rows([t.row for t in branching], [t.start for t in branching],
                      num_nodes.tolist(), past, packed)
-    return StepPlan(trees, rows)
+    return StepPlan(trees, rows, recurrent)
 
 
 def tree_positions(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
@@ -100,19 +106,27 @@ def tree_positions(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
 
 
 def _padded_tree(plan: StepPlan) -> DraftTree:
+    """The plan's trees as one padded DraftTree [B, N_max] (numpy-filled: one copy per field)."""
     n_max = max(len(t.parents) for t in plan.trees)
     b = len(plan.trees)
-    fields = {name: torch.full((b, n_max), fill, dtype=torch.int64)
-              for name, fill in (("tokens", 0), ("parents", -1), ("depths", 0),
-                                 ("first_child", -1), ("next_sibling", -1))}
+    names = ("tokens", "parents", "depths", "first_child", "next_sibling")
+    fills = (0, -1, 0, -1, -1)
+    fields = {name: np.full((b, n_max), fill, dtype=np.int64) for name, fill in zip(names, fills)}
     for i, t in enumerate(plan.trees):
         n = len(t.parents)
-        for name, values in (("tokens", t.tokens), ("parents", t.parents), ("depths", t.depths),
-                             ("first_child", t.first_child), ("next_sibling", t.next_sibling)):
-            fields[name][i, :n] = torch.tensor(values)
+        for name, values in zip(names, (t.tokens, t.parents, t.depths, t.first_child,
+                                        t.next_sibling)):
+            fields[name][i, :n] = values
     num_nodes = torch.tensor([len(t.parents) for t in plan.trees], dtype=torch.int64)
-    return DraftTree(fields["tokens"], fields["parents"], fields["depths"], fields["first_child"],
-                     fields["next_sibling"], num_nodes)
+    return DraftTree(*(torch.from_numpy(fields[name]) for name in names), num_nodes)
+
+
+def _row_index(plan: StepPlan, n_max: int) -> torch.Tensor:
+    """[B, N_max] logits row of each request's node (padding repeats its last node)."""
+    sizes = np.array([len(t.parents) for t in plan.trees], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    node = np.minimum(np.arange(n_max)[None], sizes[:, None] - 1)
+    return torch.from_numpy(starts[:, None] + node)
 
 
 class Verifier:
@@ -123,6 +137,7 @@ class Verifier:
         self.seeds = {}
         self.layers = None
         self.last_step = None
+        self.last_interval = None   # seconds between the last two sample_tokens calls (a step)
 
     def _seed(self, req_id: str) -> int:
         if req_id not in self.seeds:
@@ -140,14 +155,7 @@ class Verifier:
         runner, batch = self.runner, self.runner.input_batch
         tree = _padded_tree(plan)
         b, n_max = tree.node_tokens.shape
-        index = torch.zeros(b, n_max, dtype=torch.int64)
-        offset = 0
-        for i, t in enumerate(plan.trees):
-            n = len(t.parents)
-            index[i, :n] = torch.arange(offset, offset + n)
-            index[i, n:] = offset + n - 1
-            offset += n
-        rows = logits[index.view(-1)].view(b, n_max, -1)
+        rows = logits[_row_index(plan, n_max).view(-1)].view(b, n_max, -1)
         max_depth = n_max - 1
         temperature = torch.from_numpy(batch.temperature_cpu[:b].copy()).float()
         if bool((temperature <= 1e-5).all()):
@@ -215,16 +223,19 @@ class Verifier:
 
         verdict, tree = self.verify(logits, plan)
         relocated = self.commit(plan, verdict, state)
+        if plan.recurrent is not None:
+            gdn.commit_(plan.recurrent, verdict.accepted, verdict.accept_len)
         tokens = tree.node_tokens
         accepted, lengths, bonus = (verdict.accepted.tolist(), verdict.accept_len.tolist(),
                                     verdict.bonus.tolist())
         width = max(len(t.parents) for t in plan.trees)
-        out = torch.full((len(plan.trees), width), -1, dtype=torch.int32)
+        out = np.full((len(plan.trees), width), -1, dtype=np.int32)
+        node_tokens = tokens.numpy()
         predicted = accepted_total = 0.0
         proposed = getattr(self.runner.drafter, "trees", {})
         for i, (t, path, a) in enumerate(zip(plan.trees, accepted, lengths)):
-            row = [int(tokens[i, path[j]]) for j in range(1, a)] + [int(bonus[i])]
-            out[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+            out[i, :a - 1] = node_tokens[i, path[1:a]]
+            out[i, a - 1] = bonus[i]
             if len(t.parents) > 1:
                 accepted_total += a - 1
                 tree_record = proposed.get(self.runner.input_batch.req_ids[i])
@@ -239,15 +250,19 @@ class Verifier:
                                     "tree_rows": sum(len(t.parents) for t in plan.trees),
                                     "accepted": int(sum(a - 1 for a in lengths)),
                                     "relocated": relocated,
-                                    "branching": 0 if plan.rows is None else len(plan.rows.starts)})
+                                    "branching": 0 if plan.rows is None else len(plan.rows.starts),
+                                    "draft_rows": getattr(budget, "draft_rows", None),
+                                    "seconds": self.last_interval})
                         + "\n")
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        return SamplerOutput(sampled_token_ids=torch.from_numpy(out), logprobs_tensors=None)
 
     def observe_step(self, tokens: int, requests: int) -> None:
         now = time.perf_counter()
         budget = getattr(self.runner.drafter, "budget", None)
-        if self.last_step is not None and budget is not None:
-            budget.observe_step(tokens, requests, now - self.last_step)
+        if self.last_step is not None:
+            self.last_interval = now - self.last_step
+            if budget is not None:
+                budget.observe_step(tokens, requests, self.last_interval)
         self.last_step = now
 
 

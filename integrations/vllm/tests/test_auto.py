@@ -1,0 +1,65 @@
+"""budget="auto" inside vLLM (ddtree.integrations.vllm.auto.StepBudget): whether a step drafts and
+how large its trees are, driven by a simulated engine whose step time follows a known cost
+(a + b * verify tokens + d * draft rows) and whose drafter is confident or clueless."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.integrations.vllm.auto import StepBudget
+from ddtree.integrations.vllm.options import DDTreeOptions
+from ddtree.ops import build_tree, tree_topk
+
+DRAFT_LEN, VOCAB = 15, 64
+
+
+def drafter_tree(batch: int, confident: bool, max_budget: int, gen: torch.Generator):
+    logits = torch.randn(batch, DRAFT_LEN, VOCAB, generator=gen)
+    if confident:   # the top token ~0.9 likely at every position
+        logits[..., 0] += 8.0
+    logprobs, ids = tree_topk(logits, min(max_budget, VOCAB))
+    return build_tree(logprobs, ids, torch.zeros(batch, dtype=torch.long), max_budget)
+
+
+def simulate(budget, confident: bool, b: float, d: float, steps: int = 400, batch: int = 16):
+    """Drafting decisions and mean tree size per request over the steps after warm-up."""
+    gen = torch.Generator().manual_seed(0)
+    options = DDTreeOptions(budget=budget, max_budget=budget if budget != "auto" else 32,
+                            draft_len=DRAFT_LEN)
+    policy = StepBudget(options, DRAFT_LEN)
+    drafted, sizes = [], []
+    for step in range(steps):
+        draft = policy.draft_step(batch)
+        tokens = batch
+        if draft:
+            policy.drafted(batch * DRAFT_LEN)
+            budgets = policy.choose(drafter_tree(batch, confident, options.max_budget, gen), batch)
+            tokens += sum(budgets)
+            if step >= steps // 2:
+                sizes.append(sum(budgets) / batch)
+        else:
+            policy.drafted(0)
+        seconds = 2e-3 + b * tokens + d * (batch * DRAFT_LEN if draft else 0)
+        policy.observe_step(tokens, batch, seconds)
+        if step >= steps // 2:
+            drafted.append(draft)
+    return sum(drafted) / len(drafted), (sum(sizes) / len(sizes) if sizes else 0.0)
+
+
+def test_fixed_budgets_always_draft():
+    share, size = simulate(8, confident=False, b=1e-3, d=1e-3, steps=60)
+    assert share == 1.0 and size == 8
+
+
+@pytest.mark.parametrize("confident", [False, True])
+def test_auto_stops_drafting_when_the_drafter_costs_more_than_it_yields(confident):
+    # the drafter's block costs as much as 15 verify tokens per request: a clueless drafter never
+    # pays, and even a confident one (~ +5 tokens per step) loses to plain decoding at this price
+    share, _ = simulate("auto", confident=confident, b=1e-4, d=2e-3)
+    assert share <= 0.1, f"drafted {share:.0%} of the steps"
+
+
+def test_auto_drafts_deep_trees_when_drafting_is_cheap():
+    share, size = simulate("auto", confident=True, b=1e-5, d=1e-6)
+    assert share >= 0.9, f"drafted {share:.0%} of the steps"
+    assert size >= 4, f"trees of {size:.1f} nodes per request"
