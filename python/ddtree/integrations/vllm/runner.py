@@ -221,6 +221,15 @@ class Verifier:
     def sample(self, logits: torch.Tensor, plan: StepPlan, state):
         from vllm.v1.outputs import SamplerOutput
 
+        batch = self.runner.input_batch
+        b = len(plan.trees)
+        if all(len(t.parents) == 1 for t in plan.trees) and bool(
+                (batch.temperature_cpu[:b] <= 1e-5).all()):
+            # no request drafted, all greedy: the walk stops at every root and its bonus is the
+            # target's argmax there (the same argmax verify_greedy takes)
+            self._write_stats(b, b, 0, 0, 0)
+            out = logits[:b].argmax(-1).to(torch.int32)[:, None]
+            return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
         verdict, tree = self.verify(logits, plan)
         relocated = self.commit(plan, verdict, state)
         if plan.recurrent is not None:
@@ -243,18 +252,21 @@ class Verifier:
         budget = getattr(self.runner.drafter, "budget", None)
         if budget is not None and predicted > 0:
             budget.observe_accepts(accepted_total, predicted)
+        self._write_stats(len(plan.trees), sum(len(t.parents) for t in plan.trees),
+                          int(sum(a - 1 for a in lengths)), relocated,
+                          0 if plan.rows is None else len(plan.rows.starts))
+        return SamplerOutput(sampled_token_ids=torch.from_numpy(out), logprobs_tensors=None)
+
+    def _write_stats(self, requests, tree_rows, accepted, relocated, branching) -> None:
         stats = os.environ.get(STATS_ENV)
         if stats:
+            budget = getattr(self.runner.drafter, "budget", None)
             with open(stats, "a") as f:
-                f.write(json.dumps({"requests": len(plan.trees),
-                                    "tree_rows": sum(len(t.parents) for t in plan.trees),
-                                    "accepted": int(sum(a - 1 for a in lengths)),
-                                    "relocated": relocated,
-                                    "branching": 0 if plan.rows is None else len(plan.rows.starts),
+                f.write(json.dumps({"requests": requests, "tree_rows": tree_rows,
+                                    "accepted": accepted, "relocated": relocated,
+                                    "branching": branching,
                                     "draft_rows": getattr(budget, "draft_rows", None),
-                                    "seconds": self.last_interval})
-                        + "\n")
-        return SamplerOutput(sampled_token_ids=torch.from_numpy(out), logprobs_tensors=None)
+                                    "seconds": self.last_interval}) + "\n")
 
     def observe_step(self, tokens: int, requests: int) -> None:
         now = time.perf_counter()
