@@ -23,7 +23,7 @@ class Layer:
     """The attributes vLLM's CPU GDN core reads from its layer (QwenGatedDeltaNetAttention)."""
     rearrange_mixed_qkv = QwenGatedDeltaNetAttention.rearrange_mixed_qkv
 
-    def __init__(self, slots: int, gen: torch.Generator):
+    def __init__(self, slots: int, gen: torch.Generator, state_len: int = STATE_LEN):
         self.key_dim, self.value_dim, self.tp_size = HK * D, HV * D, 1
         self.head_k_dim = self.head_v_dim = D
         self.activation = "silu"
@@ -32,7 +32,7 @@ class Layer:
             bias=(torch.randn(C, generator=gen) * 0.1).bfloat16())
         self.A_log = torch.randn(HV, generator=gen) * 0.5
         self.dt_bias = torch.randn(HV, generator=gen).bfloat16()
-        conv = (torch.randn(slots, C, STATE_LEN, generator=gen)).bfloat16()
+        conv = (torch.randn(slots, C, state_len, generator=gen)).bfloat16()
         if not vllm_gdn.is_conv_state_dim_first():
             conv = conv.transpose(1, 2).contiguous()
         ssm = torch.randn(slots, HV, D, D, generator=gen) * 0.1
@@ -42,6 +42,15 @@ class Layer:
         other = object.__new__(Layer)
         other.__dict__.update(self.__dict__)
         other.kv_cache = [t.clone() for t in self.kv_cache]
+        return other
+
+    def narrowed(self) -> "Layer":
+        """A copy whose conv buffer is the committed window alone, [C, W - 1] (a ddtree engine's)."""
+        other = self.clone()
+        window = vllm_gdn._conv_buffer_view(self)[:, :, :W - 1].clone()
+        if not vllm_gdn.is_conv_state_dim_first():
+            window = window.transpose(1, 2).contiguous()
+        other.kv_cache[0] = window
         return other
 
 
@@ -85,7 +94,7 @@ def random_tree(n, gen):
     return [-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=gen)) for i in range(1, n)]
 
 
-def run_step(layer, slots, trees, accepted, gen):
+def run_step(layer, slots, trees, accepted, gen, state_len=STATE_LEN):
     """One verify pass over requests with these trees; (x, b, a, outputs, SpecTrees)."""
     sizes = [len(p) for p in trees]
     t = sum(sizes)
@@ -100,7 +109,7 @@ def run_step(layer, slots, trees, accepted, gen):
     gdn.ActiveTrees.steps = []
     out = gdn.tree_spec_forward(layer, metadata(slots, sizes, accepted), x, b, a,
                                 vllm_gdn._conv_buffer_view(layer),
-                                vllm_gdn._ssm_state_view(layer), W, STATE_LEN, spec)
+                                vllm_gdn._ssm_state_view(layer), W, state_len, spec)
     return x, b, a, out, spec
 
 
@@ -197,3 +206,63 @@ def test_gdn_layers_ask_for_one_state_block_per_request():
                      block_size=16, num_speculative_blocks=S)
     assert gdn.spec_without_draft_blocks(spec).num_speculative_blocks == 0
     assert gdn.spec_without_draft_blocks(None) is None
+
+
+def test_a_narrow_conv_buffer_verifies_and_commits_as_the_wide_one():
+    """A ddtree engine's conv buffer holds the committed window alone ([C, W - 1]): the same trees
+    give the same node outputs, and the commit the same window and state, as in vLLM's wide
+    buffer [C, W - 1 + S]."""
+    gen = torch.Generator().manual_seed(4)
+    trees = [random_tree(9, gen), [-1], [-1, 0, 1, 1, 3]]
+    paths = [[0], [0], [0, 1, 3]]
+    paths[0] = max((root_path(trees[0], i) for i in range(9)), key=len)
+    slots = [2, 8, 5]
+    wide = Layer(slots=16, gen=gen)
+    narrow = wide.narrowed()
+    assert vllm_gdn._conv_buffer_view(narrow).shape[-1] == W - 1
+    step = torch.Generator().manual_seed(5)
+    *_, out_wide, spec_wide = run_step(wide, slots, trees, [1, 1, 1], step)
+    gdn.ActiveTrees.steps, steps_wide = [], gdn.ActiveTrees.steps
+    step = torch.Generator().manual_seed(5)
+    *_, out_narrow, spec_narrow = run_step(narrow, slots, trees, [1, 1, 1], step, state_len=W - 1)
+    assert torch.equal(out_narrow, out_wide)
+    accepted = torch.full((3, max(map(len, paths))), -1, dtype=torch.int64)
+    for r, p in enumerate(paths):
+        accepted[r, :len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in paths])
+    gdn.commit_(spec_narrow, accepted, lengths)
+    gdn.ActiveTrees.steps = steps_wide
+    gdn.commit_(spec_wide, accepted, lengths)
+    assert torch.equal(vllm_gdn._conv_buffer_view(narrow),
+                       vllm_gdn._conv_buffer_view(wide)[:, :, :W - 1])
+    assert torch.equal(narrow.kv_cache[1], wide.kv_cache[1])
+
+
+def test_ddtree_engines_allocate_the_narrow_conv_buffer(monkeypatch):
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as Shapes
+
+    from ddtree.integrations.vllm.options import ENV, DDTreeOptions
+
+    original = getattr(Shapes.gated_delta_net_state_shape, "__func__")
+    shape = gdn.narrow_state_shape(original)
+    dims = (1, HK, HV, D, D, W)
+    monkeypatch.delenv(ENV, raising=False)
+    assert shape(Shapes, *dims, S) == original(Shapes, *dims, S) != original(Shapes, *dims, 0)
+    monkeypatch.setenv(ENV, DDTreeOptions(budget=16, max_budget=16, draft_len=S).to_json())
+    assert shape(Shapes, *dims, S) == original(Shapes, *dims, 0)
+    assert shape(Shapes, *dims, num_spec=S) == original(Shapes, *dims, 0)
+
+
+def test_steps_without_speculative_rows_take_vllms_plain_path():
+    """With the narrow buffer vLLM's CPU GDN always calls `_cpu_gdn_attention_nonspec`: a step with
+    speculative rows is sent on to the speculative path (state length W - 1), one without stays."""
+    calls = []
+    plain = lambda *args: calls.append(("plain", args[1]))             # noqa: E731
+    spec_aware = lambda *args: calls.append(("spec", args[1], args[6:]))  # noqa: E731
+    forward = gdn.nonspec_or_trees(plain, SimpleNamespace(_cpu_gdn_attention_spec_aware=spec_aware))
+    layer = SimpleNamespace(conv1d=SimpleNamespace(weight=torch.zeros(C, 1, W)))
+    no_spec = SimpleNamespace(spec_sequence_masks=None)
+    with_spec = SimpleNamespace(spec_sequence_masks=torch.tensor([True, False]))
+    forward(layer, no_spec, None, None, None, None)
+    forward(layer, with_spec, None, None, None, None)
+    assert calls == [("plain", no_spec), ("spec", with_spec, (W, W - 1))]

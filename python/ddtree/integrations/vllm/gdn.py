@@ -13,7 +13,12 @@ num_accepted - 1 and rolls the buffer as if every request had S drafts. In a ddt
   (ddtree's commit_recurrent_layers_) and writes them back to the same places;
 - so the committed state always sits where vLLM's prefill leaves it and its one-token decode
   reads it, and a request needs one state block, not S + 1: `spec_without_draft_blocks` gives
-  the GDN layers' KV-cache spec num_speculative_blocks = 0.
+  the GDN layers' KV-cache spec num_speculative_blocks = 0;
+- and the conv buffer needs no rolling history: `narrow_state_shape` allocates it as [C, W - 1],
+  vLLM's CPU GDN then takes its plain (non-speculative) path, and `nonspec_or_trees` sends only
+  the steps with speculative rows on to the speculative path (trees for those rows, vLLM's own
+  subset path for the prefill / decode rows beside them). Steps where no request drafts (auto's
+  no-draft steps, prefill) run exactly the kernels of an engine without speculation.
 Rejected nodes leave nothing behind; any tree and any number of drafts per request (0 included).
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ...ops import commit_recurrent_layers_, tree_causal_conv1d, tree_gated_delta_rule
+from .options import active_options
 
 
 class SpecTrees(NamedTuple):
@@ -75,6 +81,37 @@ def spec_forward(original):
 
     forward._ddtree = True
     forward.original = original
+    return forward
+
+
+def narrow_state_shape(original):
+    """MambaStateShapeCalculator.gated_delta_net_state_shape with num_spec = 0 in ddtree engines:
+    the conv buffer is the committed window [C, W - 1] alone (tree verify never rolls it), so
+    vLLM's CPU GDN takes its plain path (packed C++ conv) wherever no request speculates."""
+    def shape(cls, *args, **kwargs):
+        if active_options() is not None:
+            if "num_spec" in kwargs:
+                kwargs["num_spec"] = 0
+            elif len(args) > 6:
+                args = args[:6] + (0,) + args[7:]
+        return original(cls, *args, **kwargs)
+
+    shape._ddtree = True
+    return shape
+
+
+def nonspec_or_trees(original, gdn_attention):
+    """vLLM's `_cpu_gdn_attention_nonspec`, chosen by the conv buffer's width alone (narrow in
+    ddtree engines): a step with speculative rows goes to the speculative path (trees through
+    `_spec_forward`, the other rows through vLLM's subset path), a step without to vLLM's."""
+    def forward(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out):
+        if attn_metadata_i.spec_sequence_masks is None:
+            return original(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out)
+        width = layer.conv1d.weight.size(-1)
+        return gdn_attention._cpu_gdn_attention_spec_aware(
+            layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, width, width - 1)
+
+    forward._ddtree = True
     return forward
 
 

@@ -226,14 +226,19 @@ def hook_cpu_attention() -> None:
 
 def hook_gdn() -> None:
     """Hybrid targets: vLLM's CPU GDN speculative path runs ddtree's trees, and the GDN layers ask
-    for one state block per request (gdn.py)."""
+    for one state block per request and a conv buffer of the committed window alone (gdn.py)."""
     from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
-    from .gdn import spec_forward, spec_without_draft_blocks
+    from .gdn import narrow_state_shape, nonspec_or_trees, spec_forward, spec_without_draft_blocks
 
     if not getattr(gdn_attention._spec_forward, "_ddtree", False):
         gdn_attention._spec_forward = spec_forward(gdn_attention._spec_forward)
+        gdn_attention._cpu_gdn_attention_nonspec = nonspec_or_trees(
+            gdn_attention._cpu_gdn_attention_nonspec, gdn_attention)
+        MambaStateShapeCalculator.gated_delta_net_state_shape = classmethod(narrow_state_shape(
+            MambaStateShapeCalculator.gated_delta_net_state_shape.__func__))
     if not _first_hook(GatedDeltaNetAttention):
         return
     get_kv_cache_spec = GatedDeltaNetAttention.get_kv_cache_spec
