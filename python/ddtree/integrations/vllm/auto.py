@@ -17,7 +17,8 @@ verifies the bonus token alone: autoregressive decoding inside the speculative e
 
 Until the fit has seen a spread of token counts, steps cycle through fractions of the largest
 tree and steps without drafts (exploration); every `refresh`-th step tries a random fraction and
-every `refresh_mode`-th step the other draft / no-draft choice, so the fit follows the load.
+every `refresh_mode`-th step (4x fewer where one choice leads by over 1.5x) the other draft /
+no-draft choice, so the fit follows the load. The fit is refreshed every `refit` steps.
 """
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ EXPLORE = (1.0, 0.5, 0.25, 0.125, 0.0)
 
 class StepBudget:
     def __init__(self, options, draft_len: int, window: int = 256, warmup: int = 20,
-                 refresh: int = 16, refresh_mode: int = 32, seed: int = 0):
+                 refresh: int = 16, refresh_mode: int = 32, refit: int = 8, seed: int = 0):
         self.options = options
         self.draft_len = draft_len
-        self.samples = deque(maxlen=window)   # (tokens, requests, draft rows, seconds)
+        # (tokens, requests, draft rows, seconds) of the recent steps, drafting and not kept apart
+        # (each kind's latest window / 2), so a rare kind still pins its terms of the fit
+        self.samples = {kind: deque(maxlen=window // 2) for kind in (False, True)}
         self.warmup, self.refresh, self.refresh_mode = warmup, refresh, refresh_mode
         self.steps = 0       # choose() calls (drafting steps)
         self.decisions = 0   # draft_step() calls
@@ -48,6 +51,8 @@ class StepBudget:
         self.draft_rows = 0              # the drafter's block queries for the next verify step
         self.gain, self.nodes = 1.0, 1.0  # drafting steps' expected tokens / nodes per request
         self.fit = None
+        self.refit, self.unfitted = refit, 0   # steps observed since the last fit
+        self.typical = {}    # drafting? -> (median seconds, median tokens) of those steps
 
     # measurements ---------------------------------------------------------------------------
     def drafted(self, rows: int) -> None:
@@ -56,14 +61,12 @@ class StepBudget:
 
     def observe_step(self, tokens: int, requests: int, seconds: float) -> None:
         # An idle engine's gap before a step is not the step's cost: outliers (against the steps
-        # of the same kind, drafting or not) are dropped.
-        alike = [s for s in self.samples if (s[2] > 0) == (self.draft_rows > 0)]
-        if len(alike) >= 8:
-            typical = float(np.median([s[3] for s in alike]))
-            if seconds > 4.0 * typical * max(1.0, tokens / max(1.0, np.median(
-                    [s[0] for s in alike]))):
-                return
-        self.samples.append((tokens, requests, self.draft_rows, seconds))
+        # of the same kind, drafting or not, as of the last fit) are dropped.
+        typical = self.typical.get(self.draft_rows > 0)
+        if typical is not None and seconds > 4.0 * typical[0] * max(1.0, tokens / typical[1]):
+            return
+        self.samples[self.draft_rows > 0].append((tokens, requests, self.draft_rows, seconds))
+        self.unfitted += 1
 
     def observe_accepts(self, accepted: float, predicted: float) -> None:
         decay = 0.98
@@ -76,10 +79,19 @@ class StepBudget:
 
     def cost_fit(self):
         """(a, b, e, d) of seconds = a + b * tokens + e * requests + d * draft rows, or None while
-        too few steps; the last fit while the recent steps show no spread of token counts."""
-        if len(self.samples) < 8:
+        too few steps; refitted every `refit` new steps, kept while the recent steps show no
+        spread of token counts."""
+        if len(self.samples[False]) + len(self.samples[True]) < 8:
             return None
-        data = np.asarray(self.samples, dtype=np.float64)
+        if self.fit is not None and self.unfitted < self.refit:
+            return self.fit
+        self.unfitted = 0
+        for drafting, alike in self.samples.items():
+            if len(alike) >= 8:
+                alike = np.asarray(alike, dtype=np.float64)
+                self.typical[drafting] = (float(np.median(alike[:, 3])),
+                                          max(1.0, float(np.median(alike[:, 0]))))
+        data = np.asarray(list(self.samples[False]) + list(self.samples[True]), dtype=np.float64)
         if np.ptp(data[:, 0]) < 2:
             return self.fit
         x = np.stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]], 1)
@@ -99,16 +111,19 @@ class StepBudget:
         fit = self.cost_fit()
         if fit is None or self.decisions <= self.warmup:
             return self.decisions % 3 != 0
-        pays = self.drafting_pays(fit, batch)
-        return (not pays) if self.decisions % self.refresh_mode == 0 else pays
+        ratio = self.drafting_ratio(fit, batch)
+        # the other choice is tried every refresh_mode-th step, 4x less often when the margin is
+        # wide (a step of the other kind costs up to the margin)
+        period = self.refresh_mode * (4 if abs(np.log(ratio)) > np.log(1.5) else 1)
+        return (ratio > 1.0) != (self.decisions % period == 0)
 
-    def drafting_pays(self, fit, batch: int) -> bool:
+    def drafting_ratio(self, fit, batch: int) -> float:
         """Expected tokens/s of a drafting step (the recent drafting steps' gain and tree size per
-        request) above that of a step without drafts, both priced with the fit."""
+        request) over that of a step without drafts, both priced with the fit."""
         a, b, e, d = fit
         plain = a + b * batch + e * batch
         drafting = a + b * batch * (1.0 + self.nodes) + e * batch + d * batch * self.draft_len
-        return batch * (1.0 + self.gain) / max(drafting, 1e-9) > batch / max(plain, 1e-9)
+        return (1.0 + self.gain) * max(plain, 1e-9) / max(drafting, 1e-9)
 
     def choose(self, tree: DraftTree, batch: int) -> List[int]:
         """Per-request budgets (nodes, root excluded) for this step's trees."""
