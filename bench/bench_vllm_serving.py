@@ -138,8 +138,8 @@ def main(argv=None) -> None:
                                    log=logs / (mode.replace(" ", "_") + ".log")).wait_ready()
         prompts = third_party_prompts(2 * max(args.concurrency))
         model = target.as_posix()
-        for server in servers.values():      # warm-up
-            load(server.url, model, prompts[:4], 4, 16)
+        for server in servers.values():      # warm-up, untimed: "auto" fits its costs here
+            load(server.url, model, prompts[:8], 4, 64)
         samples = {(m, c): [] for m in servers for c in args.concurrency}
         for r in range(args.rounds):
             for c in args.concurrency:

@@ -63,3 +63,27 @@ def test_auto_drafts_deep_trees_when_drafting_is_cheap():
     share, size = simulate("auto", confident=True, b=1e-5, d=1e-6)
     assert share >= 0.9, f"drafted {share:.0%} of the steps"
     assert size >= 4, f"trees of {size:.1f} nodes per request"
+
+
+def test_rare_drafting_steps_still_price_the_drafter():
+    """Where drafting never pays it is tried once every 4 x 32 decisions, and the fit keeps the
+    drafter's price from those few steps (drafting and plain samples are kept apart)."""
+    gen = torch.Generator().manual_seed(1)
+    options = DDTreeOptions(budget="auto", max_budget=32, draft_len=DRAFT_LEN)
+    policy = StepBudget(options, DRAFT_LEN)
+    batch, a, b, d = 4, 2e-3, 1e-4, 2e-3
+    drafted = []
+    for step in range(2000):
+        draft = policy.draft_step(batch)
+        tokens = batch
+        if draft:
+            policy.drafted(batch * DRAFT_LEN)
+            tokens += sum(policy.choose(drafter_tree(batch, False, 32, gen), batch))
+        else:
+            policy.drafted(0)
+        policy.observe_step(tokens, batch, a + b * tokens + d * (batch * DRAFT_LEN if draft else 0))
+        drafted.append(draft)
+    late = drafted[1000:]
+    assert sum(late) <= len(late) / 100, f"drafted {sum(late)} of {len(late)} late steps"
+    _, fit_b, _, fit_d = policy.cost_fit()
+    assert fit_d == pytest.approx(d, rel=0.05) and fit_b == pytest.approx(b, rel=0.05)
