@@ -88,13 +88,16 @@ def narrow_state_shape(original):
     """MambaStateShapeCalculator.gated_delta_net_state_shape with num_spec = 0 in ddtree engines:
     the conv buffer is the committed window [C, W - 1] alone (tree verify never rolls it), so
     vLLM's CPU GDN takes its plain path (packed C++ conv) wherever no request speculates."""
+    import inspect
+
+    signature = inspect.signature(original)
+
     def shape(cls, *args, **kwargs):
-        if active_options() is not None:
-            if "num_spec" in kwargs:
-                kwargs["num_spec"] = 0
-            elif len(args) > 6:
-                args = args[:6] + (0,) + args[7:]
-        return original(cls, *args, **kwargs)
+        if active_options() is None:
+            return original(cls, *args, **kwargs)
+        bound = signature.bind(cls, *args, **kwargs)
+        bound.arguments["num_spec"] = 0
+        return original(*bound.args, **bound.kwargs)
 
     shape._ddtree = True
     return shape
