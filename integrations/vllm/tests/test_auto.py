@@ -87,3 +87,23 @@ def test_rare_drafting_steps_still_price_the_drafter():
     assert sum(late) <= len(late) / 100, f"drafted {sum(late)} of {len(late)} late steps"
     _, fit_b, _, fit_d = policy.cost_fit()
     assert fit_d == pytest.approx(d, rel=0.05) and fit_b == pytest.approx(b, rel=0.05)
+
+
+def test_a_step_is_timed_from_one_drafter_pass_to_the_next(monkeypatch):
+    # the runner's order per step: drafter pass (step_starts, drafted), target forward and verify
+    # (scheduled); a step's seconds end where the next drafter pass starts
+    import ddtree.integrations.vllm.auto as auto
+
+    clock = iter([0.0, 0.030, 0.037, 0.047])
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: next(clock))
+    options = DDTreeOptions(budget="auto", max_budget=32, draft_len=DRAFT_LEN)
+    policy = StepBudget(options, DRAFT_LEN)
+    for tokens, rows in ((68, 4 * DRAFT_LEN), (4, 0), (4, 0)):
+        policy.step_starts()
+        policy.drafted(rows)
+        policy.scheduled(tokens, 4)
+    policy.step_starts()
+    samples = list(policy.samples[True]) + list(policy.samples[False])
+    assert [s[:3] for s in samples] == [(68, 4, 60), (4, 4, 0), (4, 4, 0)]
+    assert [s[3] for s in samples] == pytest.approx([0.030, 0.007, 0.010])
+    assert policy.last_seconds == pytest.approx(0.010)

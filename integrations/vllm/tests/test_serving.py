@@ -120,3 +120,30 @@ def test_ragged_streaming_load_frees_every_block(embedded_pair, dense_pair, pair
             stopped = complete(server.url, prompts[0], 96, model=model, stop=["\n\n"])
             assert "\n\n" not in stopped["text"]
         wait_idle(server)
+
+
+def test_ddtree_engines_reserve_the_drafters_query_rows(monkeypatch):
+    # vLLM's scheduler charges every scheduled request num_new_tokens + max_num_new_slots_for_drafting
+    # of max_num_batched_tokens; a ddtree drafter queries draft_len rows, not the tree budget
+    from vllm.config.speculative import SpeculativeConfig
+
+    from ddtree.integrations.vllm import hooks
+    from ddtree.integrations.vllm.options import ENV, DDTreeOptions
+
+    class DFlashConfig:   # the attributes vLLM's property reads
+        num_speculative_tokens = 64
+        parallel_drafting = False
+
+        def use_dflash(self):
+            return True
+
+        def uses_draft_model(self):
+            return False
+
+    hooks.hook_drafting_slots()
+    hooks.hook_drafting_slots()   # installed once, whatever the number of calls
+    slots = SpeculativeConfig.max_num_new_slots_for_drafting.fget
+    monkeypatch.delenv(ENV, raising=False)
+    assert slots(DFlashConfig()) == 64   # vLLM's own dflash: K query rows
+    monkeypatch.setenv(ENV, DDTreeOptions(budget="auto", max_budget=64, draft_len=15).to_json())
+    assert slots(DFlashConfig()) == 15

@@ -3,7 +3,8 @@ expected tokens per second, priced with this engine's measured step times.
 
 Gain: a request's tree of n nodes is expected to yield 1 + c * sum of its first n nodes' path
 probabilities (spec §3's objective; c calibrates the drafter: observed accepted / predicted, running).
-Cost: the step's wall time, fitted online as a + b * tokens + e * requests + d * draft rows
+Cost: the step's wall time (from one drafter pass to the next: the drafter, the target forward
+and the verify of that step's own trees), fitted online as a + b * tokens + e * requests + d * draft rows
 (least squares over the recent steps; tokens = requests + tree nodes, the scheduled verify tokens;
 draft rows = the drafter's block queries, requests * draft_len when the step drafted, 0 when not).
 The best total is found over the batch's nodes sorted by path probability (every request's rows
@@ -23,6 +24,7 @@ no-draft choice, so the fit follows the load. The fit is refreshed every `refit`
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from typing import List
 
@@ -53,8 +55,24 @@ class StepBudget:
         self.fit = None
         self.refit, self.unfitted = refit, 0   # steps observed since the last fit
         self.typical = {}    # drafting? -> (median seconds, median tokens) of those steps
+        self.started = self.pending = None   # the step in flight: its start, (tokens, requests)
+        self.last_seconds = None             # the wall time of the last step measured
 
     # measurements ---------------------------------------------------------------------------
+    def scheduled(self, tokens: int, requests: int) -> None:
+        """The target forward just run: its scheduled tokens and requests."""
+        self.pending = (int(tokens), int(requests))
+
+    def step_starts(self) -> None:
+        """Called as the drafter starts on the next step. A step's cost is its drafter pass, the
+        target forward and the verify of its own tree, so steps are cut here: a step without
+        drafts after a drafting one does not carry that one's verify."""
+        now = time.perf_counter()
+        if self.started is not None and self.pending is not None:
+            self.last_seconds = now - self.started
+            self.observe_step(*self.pending, self.last_seconds)
+        self.pending, self.started = None, now
+
     def drafted(self, rows: int) -> None:
         """The drafter's block queries for the step about to be verified (0: no drafts)."""
         self.draft_rows = int(rows)

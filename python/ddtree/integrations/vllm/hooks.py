@@ -3,6 +3,12 @@
 - engine/arg_utils.py `EngineArgs.create_speculative_config`: a speculative_config with
   method "ddtree" is validated (options.parse) and becomes vLLM's DFlash config; the ddtree
   options travel to the engine processes in the environment (options.ENV).
+- config/speculative.py `SpeculativeConfig.max_num_new_slots_for_drafting`: the scheduler's
+  per-request reservation for the drafter's query rows (v1/core/sched/scheduler.py charges
+  `num_new_tokens + draft_slots` of max_num_batched_tokens to every scheduled request). vLLM's
+  DFlash queries num_speculative_tokens rows; ddtree's drafter queries draft_len rows whatever the
+  tree budget (the tree's nodes are scheduled tokens, charged already), so a ddtree engine
+  reserves draft_len.
 - v1/worker/gpu_model_runner.py: the runner builds its drafter as `DFlashProposer(...)`; in a
   ddtree engine that name is DDTreeProposer (a DFlashProposer). `execute_model`, `_model_forward`,
   `_sample` and `sample_tokens` are wrapped: tree positions and attention rows around the target
@@ -61,6 +67,24 @@ def hook_engine_args() -> None:
 
     create_speculative_config._ddtree = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def hook_drafting_slots() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+
+    original = SpeculativeConfig.max_num_new_slots_for_drafting
+    if getattr(original.fget, "_ddtree", False):
+        return
+
+    def max_num_new_slots_for_drafting(self) -> int:
+        options = active_options()
+        if options is not None and self.use_dflash():
+            return options.draft_len
+        return original.fget(self)
+
+    max_num_new_slots_for_drafting._ddtree = True
+    SpeculativeConfig.max_num_new_slots_for_drafting = property(
+        functools.wraps(original.fget)(max_num_new_slots_for_drafting))
 
 
 # Sampling parameters vLLM's rejection sampler applies and ddtree's verify does not: refused per
@@ -188,8 +212,8 @@ def hook_runner() -> None:
             self._ddtree_state = self.execute_model_state
             scheduled = self._ddtree_scheduled
             if scheduled is not None:
-                verifier.observe_step(scheduled.total_num_scheduled_tokens,
-                                      len(scheduled.num_scheduled_tokens))
+                verifier.scheduled(scheduled.total_num_scheduled_tokens,
+                                   len(scheduled.num_scheduled_tokens))
         try:
             return sample_tokens(self, grammar_output)
         finally:
@@ -255,6 +279,7 @@ def install() -> None:
     """The plug-in: the engine-args hook always (it acts on method "ddtree" only), the runner and
     attention hooks in processes that serve a ddtree engine."""
     hook_engine_args()
+    hook_drafting_slots()
     hook_request_validation()
     if active_options() is not None:
         hook_runner()

@@ -76,6 +76,7 @@ class DDTreeProposer(DFlashProposer):
         return logits.argmax(dim=-1), None
 
     def propose(self, num_speculative_tokens, *args, **kwargs):
+        self.budget.step_starts()
         req_ids = list(self.model_runner.input_batch.req_ids)
         batch = len(req_ids)
         if not self.budget.draft_step(batch):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from typing import List, NamedTuple, Optional
 
 import numpy as np
@@ -136,8 +135,6 @@ class Verifier:
         self.runner = runner
         self.seeds = {}
         self.layers = None
-        self.last_step = None
-        self.last_interval = None   # seconds between the last two sample_tokens calls (a step)
 
     def _seed(self, req_id: str) -> int:
         if req_id not in self.seeds:
@@ -266,16 +263,14 @@ class Verifier:
                                     "accepted": accepted, "relocated": relocated,
                                     "branching": branching,
                                     "draft_rows": getattr(budget, "draft_rows", None),
-                                    "seconds": self.last_interval}) + "\n")
+                                    "last_step_seconds": getattr(budget, "last_seconds",
+                                                                 None)}) + "\n")
 
-    def observe_step(self, tokens: int, requests: int) -> None:
-        now = time.perf_counter()
+    def scheduled(self, tokens: int, requests: int) -> None:
+        """The step just run, for "auto"'s step cost (timed from one drafter pass to the next)."""
         budget = getattr(self.runner.drafter, "budget", None)
-        if self.last_step is not None:
-            self.last_interval = now - self.last_step
-            if budget is not None:
-                budget.observe_step(tokens, requests, self.last_interval)
-        self.last_step = now
+        if budget is not None:
+            budget.scheduled(tokens, requests)
 
 
 def _isa_error(isa, detail: str) -> ValueError:
