@@ -117,7 +117,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--modes", nargs="+", default=None)
     p.add_argument("--out", default=str(HERE / "results" / "vllm_serving_cpu.json"))
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
         samples = {(m, c): [] for m in servers for c in args.concurrency}
         for r in range(args.rounds):
             for c in args.concurrency:
-                batch = prompts[:max(4, 2 * c)]
+                batch = prompts[:max(8, 2 * c)]   # at least two waves of requests
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for mode in order:
                     tps, itl = load(servers[mode].url, model, batch, c, args.tokens)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_gdn
 
 from ddtree.integrations.vllm import gdn
@@ -27,9 +28,14 @@ class Layer:
         self.key_dim, self.value_dim, self.tp_size = HK * D, HV * D, 1
         self.head_k_dim = self.head_v_dim = D
         self.activation = "silu"
-        self.conv1d = SimpleNamespace(
-            weight=(torch.randn(C, 1, W, generator=gen) * 0.5).bfloat16(),
-            bias=(torch.randn(C, generator=gen) * 0.1).bfloat16())
+        self.conv1d = torch.nn.Module()
+        self.conv1d.weight = torch.nn.Parameter(
+            (torch.randn(C, 1, W, generator=gen) * 0.5).bfloat16(), requires_grad=False)
+        self.conv1d.bias = torch.nn.Parameter(
+            (torch.randn(C, generator=gen) * 0.1).bfloat16(), requires_grad=False)
+        # as vLLM's loader leaves it: on CPUs with AVX-512 BF16 / AMX the weight packed in place
+        # for its C++ conv kernels, the plain [C, W] copy stashed beside it
+        dispatch_cpu_unquantized_gemm(self.conv1d, remove_weight=False)
         self.A_log = torch.randn(HV, generator=gen) * 0.5
         self.dt_bias = torch.randn(HV, generator=gen).bfloat16()
         conv = (torch.randn(slots, C, state_len, generator=gen)).bfloat16()

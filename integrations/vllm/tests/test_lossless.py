@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from conftest import Server, complete_all, ddtree_config, held_out_prompts, read_stats
 
 PROMPTS = 32
@@ -115,8 +116,14 @@ def test_hybrid_bf16_identical_but_for_bf16_ties(embedded_pair, budget, tmp_path
           f"margin in bf16 steps): {listing}")
     assert all(steps <= NEAR_TIE_STEPS for *_, steps in listing), listing
     # "auto" sizes its trees from measured step times, so its trees (and roundings) differ from
-    # run to run: 24, 24, 24, 23 identical in 4 runs here; dflash 24 in each of its 4
-    assert same_ours >= same_dflash - (1 if budget == "auto" else 0), listing
+    # run to run: 24, 24, 24, 23 identical in 4 runs on an AVX-512 CPU without AMX; dflash 24 in
+    # each of its 4. On CPUs with AMX tiles vLLM's speculative conv runs the same packed C++
+    # kernel as its one-token decode (the reference), so vLLM's dflash shares the reference's
+    # roundings, while ddtree's tree conv rounds once from fp32 (bitwise the correctly rounded
+    # value on every element checked, vLLM's kernel on 99.7%): there dflash 28, ddtree 25 and 26
+    # of 32, every divergence a near tie (asserted above)
+    slack = (1 if budget == "auto" else 0) + (3 if torch.cpu._is_amx_tile_supported() else 0)
+    assert same_ours >= same_dflash - slack, listing
     steps = read_stats(stats)
     # trees on the hybrid target: branching trees verified, off-chain nodes accepted
     assert sum(s["branching"] for s in steps) > 0 and sum(s["relocated"] for s in steps) > 0

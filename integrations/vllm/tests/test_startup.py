@@ -54,3 +54,27 @@ def test_target_whose_cpu_attention_layout_is_unsupported_fails_at_startup(tmp_p
     finally:
         server.stop()
     assert "ddtree: vLLM's CPU attention uses ISA 'vec16'" in server.tail(200000)
+
+
+def stub_config(dtype, cache_dtype, head_size=64, block_size=32):
+    from types import SimpleNamespace
+
+    import torch
+    model = SimpleNamespace(dtype=getattr(torch, dtype), get_head_size=lambda: head_size,
+                            get_num_kv_heads=lambda parallel: 2)
+    return SimpleNamespace(model_config=model, parallel_config=None,
+                           cache_config=SimpleNamespace(block_size=block_size,
+                                                        cache_dtype=cache_dtype))
+
+
+def test_quantized_kv_cache_is_refused_and_this_cpus_layout_is_checked():
+    from ddtree.integrations.vllm.runner import check_target_runs
+
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
+        check_target_runs(stub_config("bfloat16", "fp8"))
+    # the layouts vLLM picks on this CPU (bf16: "amx" where the CPU has AMX tiles, else "vec")
+    # are read back exactly by ddtree, at the model's dtype
+    for dtype, cache_dtype in (("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "bfloat16")):
+        check_target_runs(stub_config(dtype, cache_dtype))
+    with pytest.raises(ValueError, match="ISA 'vec16'"):
+        check_target_runs(stub_config("float32", "auto", head_size=80))

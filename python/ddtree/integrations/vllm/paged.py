@@ -2,49 +2,94 @@
 
 vLLM's CPU cache (v1/attention/backends/cpu_attn.py), per layer: [num_blocks, Hkv, block_size,
 2 * D] viewed as [num_blocks, Hkv, 2 * block_size, D] and split in two along dim 2: key half,
-value half. With the "vec" ISA (the one the CPU backend picks without AMX, block_size a multiple
-of 32, D a multiple of 32) a block's value rows are token-major [block_size, D] and its key rows
-are stored dimension-major: the block's key memory read as [D, block_size] (checked by the
-integration tests against vLLM's own cpu_attn_reshape_and_cache). Other ISAs ("amx", "vec16",
-...) keep other layouts: the runner refuses them at start-up.
-A slot s is token s % block_size of block s // block_size.
+value half, each bs * D elements per head. Inside a half the order depends on the ISA the CPU
+backend picks (`_get_attn_isa`), as vLLM's cpu_attn_reshape_and_cache writes it:
+- "vec" (AVX-512 without AMX, or fp32; block_size and D multiples of 32): keys dimension-major
+  [D, bs], values token-major [bs, D];
+- "amx" (bf16 on CPUs with AMX tiles, block_size a multiple of 32): keys in 16-token tiles of
+  dimension pairs [bs / 16, D / 2, 16, 2], values in 16-dimension tiles of token pairs
+  [D / 16, bs / 2, 16, 2] (the VNNI operand layouts of AMX's bf16 dot products).
+`check_layout` compares these against vLLM's writer at start-up; other ISAs ("vec16", ...) are
+refused there. A slot s is token s % block_size of block s // block_size.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import Callable, List, NamedTuple
 
 import torch
 
 from ...ops import tree_attention
 
-SUPPORTED_ISAS = ("vec",)
+# ISA -> half -> (stored shape of one head's half from (bs, D), the permutation of those stored
+# dims that gives token dims first, then dimension dims: token-major [bs, D])
+LAYOUTS = {
+    "vec": {"key": (lambda bs, d: (d, bs), (1, 0)),
+            "value": (lambda bs, d: (bs, d), (0, 1))},
+    "amx": {"key": (lambda bs, d: (bs // 16, d // 2, 16, 2), (0, 2, 1, 3)),
+            "value": (lambda bs, d: (d // 16, bs // 2, 16, 2), (1, 3, 0, 2))},
+}
+SUPPORTED_ISAS = tuple(LAYOUTS)
 
 
-def split_cache(kv_cache: torch.Tensor):
-    """[num_blocks, Hkv, bs, 2D] -> views (key [num_blocks, Hkv, D, bs] dimension-major,
-    value [num_blocks, Hkv, bs, D]) of the "vec" layout (module docstring)."""
+def _halves(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, Hkv, bs, 2D] -> [num_blocks, Hkv, 2, bs * D] (a view: key half, value half)."""
     nb, h, bs, two_d = kv_cache.shape
-    d = two_d // 2
-    raw = kv_cache.view(nb, h, 2, bs * d)
-    return raw[:, :, 0].unflatten(-1, (d, bs)), raw[:, :, 1].unflatten(-1, (bs, d))
+    return kv_cache.view(nb, h, 2, bs * (two_d // 2))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, length: int):
+def token_rows(blocks: torch.Tensor, isa: str, half: str, bs: int, d: int) -> torch.Tensor:
+    """Gathered block halves [B, nbn, Hkv, bs * D] -> token-major [B, Hkv, nbn * bs, D] (one copy):
+    row j is token j % bs of the request's (j // bs)-th gathered block."""
+    if isa not in LAYOUTS:
+        raise ValueError(f"ddtree: no paged-cache layout for vLLM CPU attention ISA {isa!r}; "
+                         f"supported: {SUPPORTED_ISAS}")
+    shape, order = LAYOUTS[isa][half]
+    b, n, h, _ = blocks.shape
+    stored = blocks.reshape(b, n, h, *shape(bs, d))
+    return stored.permute(0, 2, 1, *(3 + i for i in order)).reshape(b, h, n * bs, d)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, length: int, isa: str):
     """Rows [0, length) of one request: (K, V) [Hkv, length, D] from its block-table row."""
-    key, value = split_cache(kv_cache)
-    nb, h, d, bs = key.shape
-    blocks = block_row[: (length + bs - 1) // bs].long()
-    k = key[blocks].permute(1, 0, 3, 2).reshape(h, -1, d)
-    v = value[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)
+    bs, d = kv_cache.shape[2], kv_cache.shape[3] // 2
+    raw = _halves(kv_cache)[block_row[: (length + bs - 1) // bs].long()][None]  # [1, n, H, 2, bs*D]
+    k = token_rows(raw[:, :, :, 0], isa, "key", bs, d)[0]
+    v = token_rows(raw[:, :, :, 1], isa, "value", bs, d)[0]
     return k[:, :length], v[:, :length]
 
 
-def read_slots(kv_cache: torch.Tensor, slots: torch.Tensor):
-    """(K, V) [T, Hkv, D] stored at the given slots."""
-    key, value = split_cache(kv_cache)
-    bs = key.shape[-1]
+def read_slots(kv_cache: torch.Tensor, slots: torch.Tensor, isa: str):
+    """(K, V) [T, Hkv, D] stored at the given slots (each slot's whole block is read)."""
+    bs, d = kv_cache.shape[2], kv_cache.shape[3] // 2
     block, offset = slots.long() // bs, slots.long() % bs
-    return key[block, :, :, offset], value[block, :, offset, :]
+    raw = _halves(kv_cache)[block][:, None]                                  # [T, 1, H, 2, bs*D]
+    t = torch.arange(slots.numel())
+    k = token_rows(raw[:, :, :, 0], isa, "key", bs, d)[t, :, offset]
+    v = token_rows(raw[:, :, :, 1], isa, "value", bs, d)[t, :, offset]
+    return k, v
+
+
+def check_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int,
+                 write: Callable) -> None:
+    """Raises unless ddtree reads back exactly what vLLM's cache writer `write(key, value,
+    key_cache, value_cache, slots)` stores for this ISA, dtype and shape (random K/V, two
+    blocks)."""
+    if isa not in LAYOUTS:
+        raise ValueError(f"ddtree: no paged-cache layout for vLLM CPU attention ISA {isa!r}; "
+                         f"supported: {SUPPORTED_ISAS}")
+    gen = torch.Generator().manual_seed(0)
+    h, bs, d = min(num_kv_heads, 2), block_size, head_size
+    cache = torch.zeros(2, h, bs, 2 * d, dtype=dtype)
+    slots = torch.randperm(2 * bs, generator=gen)
+    key = torch.randn(2 * bs, h, d, generator=gen).to(dtype)
+    value = torch.randn(2 * bs, h, d, generator=gen).to(dtype)
+    key_cache, value_cache = cache.view(2, h, 2 * bs, d).chunk(2, dim=2)
+    write(key, value, key_cache, value_cache, slots)
+    k, v = read_slots(cache, slots, isa)
+    if not (torch.equal(k, key) and torch.equal(v, value)):
+        raise ValueError(f"ddtree: vLLM's CPU attention ISA {isa!r} stores the paged cache in a "
+                         f"layout ddtree does not read (dtype {dtype}, block_size {bs}, head_size "
+                         f"{d}): serve this target with speculative method 'dflash' or without one")
 
 
 class TreeRows(NamedTuple):
@@ -68,21 +113,21 @@ def tree_rows(batch_rows, starts, num_nodes, past, packed) -> TreeRows:
 
 
 def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                         rows: TreeRows, scale: float, output: torch.Tensor) -> None:
+                         rows: TreeRows, scale: float, output: torch.Tensor,
+                         isa: str) -> None:
     """Overwrites `output` rows of each tree block with ddtree's tree attention: prefix fully
     visible, tree rows per the packed visibility. query [T, Hq, D]; output [T, Hq * D] or
     [T, Hq, D]; the tree rows' K/V are already in the paged cache at their (linear) slots.
     One gather of every tree request's blocks: K/V [B_t, Hkv, blocks * bs, D] (rows past each
     request's prefix + tree are never visible to it)."""
     _, hq, d = query.shape
-    key, value = split_cache(kv_cache)
-    bs = key.shape[-1]
-    b, n_max = rows.query_index.shape
+    bs = kv_cache.shape[2]
+    n_max = rows.query_index.shape[1]
     longest = int(rows.past.max()) + n_max
     blocks = block_table[rows.batch_rows, : (longest + bs - 1) // bs].long()   # [B_t, nbn]
-    h = key.shape[1]
-    k = key[blocks].permute(0, 2, 1, 4, 3).reshape(b, h, -1, d)
-    v = value[blocks].permute(0, 2, 1, 3, 4).reshape(b, h, -1, d)
+    raw = _halves(kv_cache)[blocks]                                          # [B_t, nbn, H, 2, bs*D]
+    k = token_rows(raw[:, :, :, 0], isa, "key", bs, d)
+    v = token_rows(raw[:, :, :, 1], isa, "value", bs, d)
     q = query[rows.query_index]                                              # [B_t, N, Hq, D]
     out = tree_attention(q, k, v, rows.past, rows.packed, scale)
     flat = output.view(output.shape[0], hq, d)
@@ -90,11 +135,11 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
 
 
 def commit_path(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                write) -> None:
+                write, isa: str) -> None:
     """Moves the accepted nodes' K/V from their tree slots to the chain slots (dst < src per
     request, so reading everything first is safe). `write(key, value, slots)` is vLLM's own
     cache writer (cpu_attn_reshape_and_cache), so the stored layout is vLLM's."""
     if src_slots.numel() == 0:
         return
-    k, v = read_slots(kv_cache, src_slots)
+    k, v = read_slots(kv_cache, src_slots, isa)
     write(k.contiguous(), v.contiguous(), dst_slots)

@@ -15,7 +15,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from ...ops import build_tree, tree_topk
 from .auto import StepBudget
 from .options import active_options
-from .runner import check_target_runs
+from .runner import check_target_runs, greedy_tokens
 
 
 class ProposedTree(NamedTuple):
@@ -73,7 +73,7 @@ class DDTreeProposer(DFlashProposer):
         # The parallel pass's block rows [B * L, H]: keep the logits, build trees in propose.
         logits = self.model.compute_logits(hidden_states)
         self._draft_logits = logits
-        return logits.argmax(dim=-1), None
+        return greedy_tokens(logits), None
 
     def propose(self, num_speculative_tokens, *args, **kwargs):
         self.budget.step_starts()

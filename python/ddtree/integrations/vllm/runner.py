@@ -25,7 +25,8 @@ import torch
 
 from ...ops import DraftTree, tree_visibility, verify_greedy, verify_sample
 from . import gdn
-from .paged import SUPPORTED_ISAS, TreeRows, commit_path, paged_tree_attention, tree_rows
+from .paged import (SUPPORTED_ISAS, TreeRows, check_layout, commit_path, paged_tree_attention,
+                    tree_rows)
 
 
 STATS_ENV = "DDTREE_VLLM_STATS"  # a file: one JSON line per verify step (tests, benchmarks)
@@ -104,6 +105,15 @@ def tree_positions(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
     return out
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] int64: the greedy token exactly as vLLM's sampler picks it (fp32 logits,
+    its CPU greedy_argmax kernel: the first of tied maxima)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    flat = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
+    return Sampler.greedy_sample(flat).view(logits.shape[:-1])
+
+
 def _padded_tree(plan: StepPlan) -> DraftTree:
     """The plan's trees as one padded DraftTree [B, N_max] (numpy-filled: one copy per field)."""
     n_max = max(len(t.parents) for t in plan.trees)
@@ -156,7 +166,7 @@ class Verifier:
         max_depth = n_max - 1
         temperature = torch.from_numpy(batch.temperature_cpu[:b].copy()).float()
         if bool((temperature <= 1e-5).all()):
-            return verify_greedy(tree, rows.argmax(-1), max_depth), tree
+            return verify_greedy(tree, greedy_tokens(rows), max_depth), tree
         vocab = rows.shape[-1]
         top_k = torch.from_numpy(batch.top_k_cpu[:b].copy()).long()
         top_k = torch.where(top_k >= vocab, torch.zeros_like(top_k), top_k)
@@ -208,7 +218,7 @@ class Verifier:
                                                layer.isa, k_scale=layer._k_scale_float,
                                                v_scale=layer._v_scale_float,
                                                kv_cache_dtype=layer.impl.kv_cache_dtype)
-            commit_path(kv_cache, slots[src_t], slots[dst_t], write)
+            commit_path(kv_cache, slots[src_t], slots[dst_t], write, layer.isa)
         for tensor in [state.hidden_states] + list(state.aux_hidden_states or []):
             tensor[dst_t] = tensor[src_t]
         ids = self.runner.input_ids.gpu
@@ -223,9 +233,9 @@ class Verifier:
         if all(len(t.parents) == 1 for t in plan.trees) and bool(
                 (batch.temperature_cpu[:b] <= 1e-5).all()):
             # no request drafted, all greedy: the walk stops at every root and its bonus is the
-            # target's argmax there (the same argmax verify_greedy takes)
+            # target's argmax there (the same argmax verify_greedy is given)
             self._write_stats(b, b, 0, 0, 0)
-            out = logits[:b].argmax(-1).to(torch.int32)[:, None]
+            out = greedy_tokens(logits[:b]).to(torch.int32)[:, None]
             return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
         verdict, tree = self.verify(logits, plan)
         relocated = self.commit(plan, verdict, state)
@@ -291,11 +301,21 @@ def check_target_runs(vllm_config) -> None:
     model = vllm_config.model_config
     block_size = vllm_config.cache_config.block_size
     head_size = model.get_head_size()
-    isa = cpu_attn._get_attn_isa(model.dtype, block_size, head_size,
-                                 vllm_config.cache_config.cache_dtype)
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", str(model.dtype).removeprefix("torch.")):
+        raise ValueError(f"ddtree: kv_cache_dtype {cache_dtype!r}: ddtree's paged tree attention "
+                         f"reads an unquantized cache in the model's dtype ('auto')")
+    isa = cpu_attn._get_attn_isa(model.dtype, block_size, head_size, cache_dtype)
     if isa not in SUPPORTED_ISAS:
         raise _isa_error(isa, f"dtype {model.dtype}, block_size {block_size}, head_size "
                               f"{head_size}")
+    from vllm import _custom_ops as ops
+
+    def write(key, value, key_cache, value_cache, slots):
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    check_layout(isa, model.dtype, model.get_num_kv_heads(vllm_config.parallel_config),
+                 block_size, head_size, write)
 
 
 def check_attention_isa(layer) -> None:
@@ -309,4 +329,5 @@ def tree_attention_rows(impl, layer, query, kv_cache, attn_metadata, output) -> 
     if rows is None or attn_metadata is None or kv_cache.numel() == 0:
         return
     check_attention_isa(layer)
-    paged_tree_attention(query, kv_cache, attn_metadata.block_table, rows, impl.scale, output)
+    paged_tree_attention(query, kv_cache, attn_metadata.block_table, rows, impl.scale, output,
+                         layer.isa)
