@@ -31,6 +31,12 @@ LAYOUTS = {
 SUPPORTED_ISAS = tuple(LAYOUTS)
 
 
+def _check_isa(isa: str) -> None:
+    if isa not in LAYOUTS:
+        raise ValueError(f"ddtree: no paged-cache layout for vLLM CPU attention ISA {isa!r}; "
+                         f"supported: {SUPPORTED_ISAS}")
+
+
 def _halves(kv_cache: torch.Tensor) -> torch.Tensor:
     """[num_blocks, Hkv, bs, 2D] -> [num_blocks, Hkv, 2, bs * D] (a view: key half, value half)."""
     nb, h, bs, two_d = kv_cache.shape
@@ -40,9 +46,7 @@ def _halves(kv_cache: torch.Tensor) -> torch.Tensor:
 def token_rows(blocks: torch.Tensor, isa: str, half: str, bs: int, d: int) -> torch.Tensor:
     """Gathered block halves [B, nbn, Hkv, bs * D] -> token-major [B, Hkv, nbn * bs, D] (one copy):
     row j is token j % bs of the request's (j // bs)-th gathered block."""
-    if isa not in LAYOUTS:
-        raise ValueError(f"ddtree: no paged-cache layout for vLLM CPU attention ISA {isa!r}; "
-                         f"supported: {SUPPORTED_ISAS}")
+    _check_isa(isa)
     shape, order = LAYOUTS[isa][half]
     b, n, h, _ = blocks.shape
     stored = blocks.reshape(b, n, h, *shape(bs, d))
@@ -74,9 +78,7 @@ def check_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: in
     """Raises unless ddtree reads back exactly what vLLM's cache writer `write(key, value,
     key_cache, value_cache, slots)` stores for this ISA, dtype and shape (random K/V, two
     blocks)."""
-    if isa not in LAYOUTS:
-        raise ValueError(f"ddtree: no paged-cache layout for vLLM CPU attention ISA {isa!r}; "
-                         f"supported: {SUPPORTED_ISAS}")
+    _check_isa(isa)
     gen = torch.Generator().manual_seed(0)
     h, bs, d = min(num_kv_heads, 2), block_size, head_size
     cache = torch.zeros(2, h, bs, 2 * d, dtype=dtype)
