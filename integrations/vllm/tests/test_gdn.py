@@ -272,3 +272,39 @@ def test_steps_without_speculative_rows_take_vllms_plain_path():
     forward(layer, no_spec, None, None, None, None)
     forward(layer, with_spec, None, None, None, None)
     assert calls == [("plain", no_spec), ("spec", with_spec, (W, W - 1))]
+
+
+def test_tree_conv_is_the_correctly_rounded_chain_conv():
+    """ddtree's tree conv along a chain against the fp64 conv rounded once to bf16; on CPUs with
+    AMX also vLLM's packed C++ conv (its decode and speculative kernel there), for comparison."""
+    from ddtree.ops import tree_causal_conv1d
+
+    gen = torch.Generator().manual_seed(5)
+    layer, n, slot = Layer(8, gen), 6, 3
+    conv_buf = vllm_gdn._conv_buffer_view(layer)
+    x = torch.randn(n, C, generator=gen).bfloat16()
+    weight, bias = vllm_gdn._unpacked_conv_weight(layer), layer.conv1d.bias
+    window = conv_buf[slot, :, :W - 1]                                     # [C, W - 1]
+    seq = torch.cat([window.double(), x.t().double()], -1)                # [C, W - 1 + n]
+    exact = torch.stack([(seq[:, i:i + W] * weight.double()).sum(-1) + bias.double()
+                         for i in range(n)])
+    want = torch.nn.functional.silu(exact).bfloat16()                     # [n, C]
+    parents = torch.tensor([[-1] + list(range(n - 1))])
+    windows = gdn._windows(conv_buf, torch.tensor([slot]), W).to(x.dtype)
+    got = tree_causal_conv1d(x[None], windows, torch.tensor([0]), weight, bias, parents,
+                             torch.tensor([n]), "silu")[0]
+    ours = (got == want).float().mean().item()
+    line = f"tree conv = correctly rounded on {ours:.4f} of {want.numel()} elements"
+    if torch.cpu._is_amx_tile_supported():
+        native = vllm_gdn._causal_conv1d_update_cpu(
+            x=x.view(1, n, C), conv_states=conv_buf.clone(), weight=layer.conv1d.weight, bias=bias,
+            silu_activation=True, conv_state_indices=torch.tensor([slot], dtype=torch.int32),
+            is_weight_packed=True, num_accepted_tokens=torch.tensor([1], dtype=torch.int32))
+        theirs = (native.view(n, C) == want).float().mean().item()
+        line += f"; vLLM's packed conv on {theirs:.4f}"
+        assert ours >= theirs
+    print(line)
+    assert ours >= 0.999
+    # elsewhere at most one bf16 step off
+    one_step = torch.finfo(torch.bfloat16).eps * want.float().abs() + 1e-6
+    assert bool(((got.float() - want.float()).abs() <= one_step).all())

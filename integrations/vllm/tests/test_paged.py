@@ -49,17 +49,18 @@ def test_read_slots_and_gather_return_what_vllm_wrote(isa, dtype):
 @pytest.mark.parametrize("block_size,head_size", [(32, 64), (64, 128), (128, 96), (96, 256)])
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_check_layout_accepts_vllms_writer_at_serving_shapes(isa, block_size, head_size):
-    def write(key, value, key_cache, value_cache, slots):
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    def write(key, value, kv_cache, slots):
+        vllm_write(kv_cache, key, value, slots, isa)
 
     paged.check_layout(isa, torch.bfloat16, 4, block_size, head_size, write)
 
 
 def test_check_layout_refuses_a_layout_ddtree_does_not_read():
-    def transposed_vec(key, value, key_cache, value_cache, slots):   # "vec" keys token-major
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, "vec")
-        nb, h, bs, d = key_cache.shape
-        key_cache.copy_(key_cache.reshape(nb, h, d, bs).transpose(-1, -2).clone())
+    def transposed_vec(key, value, kv_cache, slots):   # "vec" with its keys token-major
+        vllm_write(kv_cache, key, value, slots, "vec")
+        nb, h, bs, two_d = kv_cache.shape
+        key_cache = kv_cache.view(nb, h, 2 * bs, two_d // 2)[:, :, :bs]
+        key_cache.copy_(key_cache.reshape(nb, h, two_d // 2, bs).transpose(-1, -2).clone())
 
     with pytest.raises(ValueError, match="'vec' stores the paged cache in a layout"):
         paged.check_layout("vec", torch.float32, 2, 32, 64, transposed_vec)
@@ -130,7 +131,7 @@ def test_commit_path_moves_kv_to_the_chain_slots(isa, dtype):
     key, value = torch.randn(20, HKV, D).to(dtype), torch.randn(20, HKV, D).to(dtype)
     vllm_write(cache, key, value, slots, isa)
     src, dst = torch.tensor([14, 19, 27]), torch.tensor([11, 12, 13])
-    paged.commit_path(cache, src, dst, lambda k, v, s: vllm_write(cache, k, v, s, isa), isa)
+    paged.commit_path(cache, src, dst, lambda k, v, c, s: vllm_write(c, k, v, s, isa), isa)
     k, v = paged.read_slots(cache, dst, isa)
     assert torch.equal(k, key[src - 10]) and torch.equal(v, value[src - 10])
     untouched = torch.tensor([10, 14, 19, 27])

@@ -14,6 +14,7 @@ refused there. A slot s is token s % block_size of block s // block_size.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, NamedTuple
 
 import torch
@@ -62,22 +63,28 @@ def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, length: int, isa:
     return k[:, :length], v[:, :length]
 
 
+@functools.lru_cache(maxsize=None)
+def _token_offsets(isa: str, half: str, bs: int, d: int) -> torch.Tensor:
+    """int64 [bs, D]: where token t's dimension j sits inside one head's half of a block."""
+    return token_rows(torch.arange(bs * d).view(1, 1, 1, -1), isa, half, bs, d)[0, 0]
+
+
 def read_slots(kv_cache: torch.Tensor, slots: torch.Tensor, isa: str):
-    """(K, V) [T, Hkv, D] stored at the given slots (each slot's whole block is read)."""
-    bs, d = kv_cache.shape[2], kv_cache.shape[3] // 2
+    """(K, V) [T, Hkv, D] stored at the given slots (one gather of exactly those elements)."""
+    _, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
     block, offset = slots.long() // bs, slots.long() % bs
-    raw = _halves(kv_cache)[block][:, None]                                  # [T, 1, H, 2, bs*D]
-    t = torch.arange(slots.numel())
-    k = token_rows(raw[:, :, :, 0], isa, "key", bs, d)[t, :, offset]
-    v = token_rows(raw[:, :, :, 1], isa, "value", bs, d)[t, :, offset]
+    halves = _halves(kv_cache)
+    heads = torch.arange(h)[None, :, None]
+    k = halves[block[:, None, None], heads, 0, _token_offsets(isa, "key", bs, d)[offset][:, None]]
+    v = halves[block[:, None, None], heads, 1, _token_offsets(isa, "value", bs, d)[offset][:, None]]
     return k, v
 
 
 def check_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int,
                  write: Callable) -> None:
     """Raises unless ddtree reads back exactly what vLLM's cache writer `write(key, value,
-    key_cache, value_cache, slots)` stores for this ISA, dtype and shape (random K/V, two
-    blocks)."""
+    kv_cache, slots)` stores for this ISA, dtype and shape (random K/V, two blocks)."""
     _check_isa(isa)
     gen = torch.Generator().manual_seed(0)
     h, bs, d = min(num_kv_heads, 2), block_size, head_size
@@ -85,8 +92,7 @@ def check_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: in
     slots = torch.randperm(2 * bs, generator=gen)
     key = torch.randn(2 * bs, h, d, generator=gen).to(dtype)
     value = torch.randn(2 * bs, h, d, generator=gen).to(dtype)
-    key_cache, value_cache = cache.view(2, h, 2 * bs, d).chunk(2, dim=2)
-    write(key, value, key_cache, value_cache, slots)
+    write(key, value, cache, slots)
     k, v = read_slots(cache, slots, isa)
     if not (torch.equal(k, key) and torch.equal(v, value)):
         raise ValueError(f"ddtree: vLLM's CPU attention ISA {isa!r} stores the paged cache in a "
@@ -139,9 +145,9 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
 def commit_path(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
                 write, isa: str) -> None:
     """Moves the accepted nodes' K/V from their tree slots to the chain slots (dst < src per
-    request, so reading everything first is safe). `write(key, value, slots)` is vLLM's own
-    cache writer (cpu_attn_reshape_and_cache), so the stored layout is vLLM's."""
+    request, so reading everything first is safe). `write(key, value, kv_cache, slots)` is vLLM's
+    own cache writer (cpu_attn_reshape_and_cache), so the stored layout is vLLM's."""
     if src_slots.numel() == 0:
         return
     k, v = read_slots(kv_cache, src_slots, isa)
-    write(k.contiguous(), v.contiguous(), dst_slots)
+    write(k.contiguous(), v.contiguous(), kv_cache, dst_slots)

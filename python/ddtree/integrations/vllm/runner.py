@@ -15,6 +15,7 @@ overwritten by the next step (nothing of them is read again).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -103,6 +104,18 @@ def tree_positions(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
             out[t.start:t.start + len(t.depths)] = root + torch.tensor(t.depths,
                                                                         dtype=out.dtype)
     return out
+
+
+def write_kv(key, value, kv_cache, slots, isa: str, k_scale: float = 1.0, v_scale: float = 1.0,
+             kv_cache_dtype: str = "auto") -> None:
+    """vLLM's CPU cache writer: key / value [T, Hkv, D] at `slots` of one layer's kv_cache
+    [num_blocks, Hkv, bs, 2D], in the ISA's layout."""
+    from vllm import _custom_ops as ops
+
+    nb, h, bs, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                   k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -206,18 +219,11 @@ class Verifier:
         slot_mappings = state.slot_mappings
         if isinstance(slot_mappings, list):
             slot_mappings = slot_mappings[0]
-        from vllm import _custom_ops as ops
-
         for layer, kv_cache in self.target_layers():
             slots = slot_mappings[layer.layer_name]
-
-            def write(key, value, dst_slots, layer=layer, kv_cache=kv_cache):
-                nb, h, bs, _ = kv_cache.shape
-                key_cache, value_cache = kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
-                ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, dst_slots,
-                                               layer.isa, k_scale=layer._k_scale_float,
-                                               v_scale=layer._v_scale_float,
-                                               kv_cache_dtype=layer.impl.kv_cache_dtype)
+            write = functools.partial(write_kv, isa=layer.isa, k_scale=layer._k_scale_float,
+                                      v_scale=layer._v_scale_float,
+                                      kv_cache_dtype=layer.impl.kv_cache_dtype)
             commit_path(kv_cache, slots[src_t], slots[dst_t], write, layer.isa)
         for tensor in [state.hidden_states] + list(state.aux_hidden_states or []):
             tensor[dst_t] = tensor[src_t]
@@ -309,13 +315,8 @@ def check_target_runs(vllm_config) -> None:
     if isa not in SUPPORTED_ISAS:
         raise _isa_error(isa, f"dtype {model.dtype}, block_size {block_size}, head_size "
                               f"{head_size}")
-    from vllm import _custom_ops as ops
-
-    def write(key, value, key_cache, value_cache, slots):
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-
     check_layout(isa, model.dtype, model.get_num_kv_heads(vllm_config.parallel_config),
-                 block_size, head_size, write)
+                 block_size, head_size, functools.partial(write_kv, isa=isa))
 
 
 def check_attention_isa(layer) -> None:
