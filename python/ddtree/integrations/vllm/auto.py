@@ -73,6 +73,11 @@ class StepBudget:
             self.observe_step(*self.pending, self.last_seconds)
         self.pending, self.started = None, now
 
+    def exclude(self, seconds: float) -> None:
+        """Time spent in the step in flight that is not its cost."""
+        if self.started is not None:
+            self.started += seconds
+
     def drafted(self, rows: int) -> None:
         """The drafter's block queries for the step about to be verified (0: no drafts)."""
         self.draft_rows = int(rows)

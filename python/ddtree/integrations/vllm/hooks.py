@@ -161,18 +161,32 @@ def hook_runner() -> None:
         return execute_model(self, scheduler_output, *args, **kwargs)
 
     @functools.wraps(prepare_inputs)
-    def _prepare_inputs(self, *args, **kwargs):
-        result = prepare_inputs(self, *args, **kwargs)
-        if getattr(self, "_ddtree", None) is not None:
-            # vLLM marks a decoding request without drafts as a speculative row with 0 drafts
-            # (its GDN state sits at an offset only its spec path applies). ddtree keeps the
-            # committed GDN state where a plain decode reads it (gdn.py), so such a row is a
-            # plain decode for the GDN layers: vLLM's one-token kernels advance it in place.
-            drafts = self.num_decode_draft_tokens.np[:self.input_batch.num_reqs]
-            self._ddtree_decoding = drafts >= 0
-            if (drafts == 0).any():
-                drafts[drafts == 0] = -1
-                self.num_decode_draft_tokens.copy_to_gpu()
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        if getattr(self, "_ddtree", None) is None:
+            return prepare_inputs(self, scheduler_output, *args, **kwargs)
+        if not scheduler_output.scheduled_spec_decode_tokens:
+            # No request has drafts: the step is prepared as in an engine without speculation
+            # (no speculative metadata, vLLM's plain sampler, every row a plain decode for the
+            # GDN layers); the drafter still sees the step's tokens (propose_draft_token_ids'
+            # branch for spec_decode_metadata None).
+            config, self.speculative_config = self.speculative_config, None
+            try:
+                result = prepare_inputs(self, scheduler_output, *args, **kwargs)
+            finally:
+                self.speculative_config = config
+            self.num_decode_draft_tokens.np[:].fill(-1)
+            self.num_decode_draft_tokens.copy_to_gpu()
+            return result
+        result = prepare_inputs(self, scheduler_output, *args, **kwargs)
+        # vLLM marks a decoding request without drafts as a speculative row with 0 drafts (its
+        # GDN state sits at an offset only its spec path applies). ddtree keeps the committed
+        # GDN state where a plain decode reads it (gdn.py), so such a row is a plain decode for
+        # the GDN layers: vLLM's one-token kernels advance it in place.
+        drafts = self.num_decode_draft_tokens.np[:self.input_batch.num_reqs]
+        self._ddtree_decoding = drafts >= 0
+        if (drafts == 0).any():
+            drafts[drafts == 0] = -1
+            self.num_decode_draft_tokens.copy_to_gpu()
         return result
 
     def verifies(self) -> bool:

@@ -4,6 +4,7 @@ every engine process through the environment. No vLLM import here (tested withou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import numbers
 import os
@@ -119,4 +120,9 @@ def parse(config: dict, target_config: Optional[dict] = None):
 def active_options() -> Optional[DDTreeOptions]:
     """The options of the engine this process serves (None: ddtree is not the method)."""
     text = os.environ.get(ENV)
-    return DDTreeOptions.from_json(text) if text else None
+    return _parsed(text) if text else None
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(text: str) -> DDTreeOptions:
+    return DDTreeOptions.from_json(text)

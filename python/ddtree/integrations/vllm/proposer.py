@@ -7,13 +7,16 @@ scheduler may cut it. The tree's links are kept here, per request id, for the ve
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, NamedTuple, Optional
 
+import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from ...ops import build_tree, tree_topk
 from .auto import StepBudget
+from .context import DeferredContext, slots_of
 from .options import active_options
 from .runner import check_target_runs, greedy_tokens
 
@@ -32,6 +35,8 @@ class DDTreeProposer(DFlashProposer):
     """Installed under vLLM's name DFlashProposer in the model runner (hooks.py): an engine whose
     method is vLLM's own "dflash" (no ddtree options in this process) gets vLLM's proposer."""
 
+    defer_context = True   # steps without drafts keep their context rows (context.py)
+
     def __new__(cls, vllm_config, *args, **kwargs):
         if active_options() is None:
             proposer = DFlashProposer.__new__(DFlashProposer)
@@ -49,6 +54,9 @@ class DDTreeProposer(DFlashProposer):
         self.budget = StepBudget(options, self.draft_len)
         self.trees: Dict[str, ProposedTree] = {}
         self._draft_logits: Optional[torch.Tensor] = None
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.context = DeferredContext(max_rows=8 * max_tokens)
+        self.caught_up = 0   # context rows projected late at the last drafting step
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -69,6 +77,38 @@ class DDTreeProposer(DFlashProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
 
+    def _keep_context(self, req_ids, target_positions, target_hidden_states,
+                      common_attn_metadata, num_rejected_tokens_gpu=None, **_):
+        """A step without drafts: its committed rows' drafter states are kept, not projected."""
+        batch = len(req_ids)
+        starts = common_attn_metadata.query_start_loc_cpu[:batch + 1].numpy().astype(np.int64)
+        valid = np.diff(starts)
+        if num_rejected_tokens_gpu is not None:
+            valid = valid - num_rejected_tokens_gpu[:batch].cpu().numpy()
+        hidden = self.model.combine_hidden_states(target_hidden_states)
+        self.context.keep(req_ids, starts[:-1], valid, target_positions, hidden)
+
+    def _catch_up(self, req_ids, common_attn_metadata) -> int:
+        """The kept context rows of this batch's requests projected into the drafter's cache."""
+        pending = self.context.take(req_ids, self.model_runner.requests)
+        if pending is None:
+            return 0
+        slots = slots_of(pending.rows, pending.positions,
+                         common_attn_metadata.block_table_tensor, self.block_size)
+        self.model.precompute_and_store_context_kv(pending.hidden, pending.positions, slots)
+        return len(pending.rows)
+
+    def _no_drafts(self, req_ids, **kwargs) -> None:
+        positions = kwargs["target_positions"]
+        if not self.defer_context or positions.dim() != 1:
+            self._store_context(**kwargs)
+            return
+        self._keep_context(req_ids, **kwargs)
+        if self.context.full:
+            self.context.prune(self.model_runner.requests)
+        if self.context.full:
+            self._catch_up(req_ids, kwargs["common_attn_metadata"])
+
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # The parallel pass's block rows [B * L, H]: keep the logits, build trees in propose.
         logits = self.model.compute_logits(hidden_states)
@@ -80,12 +120,19 @@ class DDTreeProposer(DFlashProposer):
         req_ids = list(self.model_runner.input_batch.req_ids)
         batch = len(req_ids)
         if not self.budget.draft_step(batch):
-            # No drafts this step ("auto" found they do not pay): the drafter's context K/V
-            # still take in the step's accepted tokens, its query pass does not run.
-            self._store_context(**kwargs)
+            # No drafts this step ("auto" found they do not pay): the drafter's query pass does
+            # not run; the step's context rows wait for the request's next drafting step.
+            self._no_drafts(req_ids, **kwargs)
+            self.caught_up = 0
             self.trees = {}
             self.budget.drafted(0)
             return [[] for _ in req_ids]
+        # Rows kept by steps without drafts go in first (their time is not this step's cost:
+        # eager projection would have spent it on the steps that kept them).
+        started = time.perf_counter()
+        self.caught_up = self._catch_up(req_ids, kwargs["common_attn_metadata"])
+        if self.caught_up:
+            self.budget.exclude(time.perf_counter() - started)
         # The drafter queries its block of draft_len positions, whatever the scheduler reserves.
         super().propose(self.draft_len, *args, **kwargs)
         self.budget.drafted(batch * self.draft_len)

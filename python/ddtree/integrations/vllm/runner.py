@@ -279,6 +279,7 @@ class Verifier:
                                     "accepted": accepted, "relocated": relocated,
                                     "branching": branching,
                                     "draft_rows": getattr(budget, "draft_rows", None),
+                                    "caught_up": getattr(self.runner.drafter, "caught_up", 0),
                                     "last_step_seconds": getattr(budget, "last_seconds",
                                                                  None)}) + "\n")
 

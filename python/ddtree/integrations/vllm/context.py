@@ -1,0 +1,143 @@
+"""The drafter's context K/V, projected only when a request drafts.
+
+A DFlash drafter attends to the target's hidden states of every committed token, projected into
+each drafter layer's K/V (vLLM's `precompute_and_store_context_kv`: RMSNorm, one fused GEMM, K
+norm, RoPE, cache write). vLLM projects them every step. A ddtree step without drafts ("auto"
+found drafting does not pay) has no use for them, so the step's rows are kept here instead and
+projected in one batch at the request's next drafting step, or never if it finishes first.
+
+Kept per step (a chunk): the drafter-side hidden states [T, H] (after the drafter's `fc`, so a
+row costs H values, not layers x H), their positions [T] and, per row, the request it belongs
+to. Only committed rows are kept: a step's rejected tree rows are cut by vLLM's
+`num_rejected_tokens`. When a request's rows start again at or below a kept position (a
+preempted request recomputed from its prompt), its older rows are dropped. Slots are computed
+from the block table at projection time, so they are always the request's current blocks.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+class Chunk(NamedTuple):
+    req_ids: List[str]        # the requests of the step, in batch order
+    owner: np.ndarray         # [T] index into req_ids
+    positions: torch.Tensor   # [T] int64
+    hidden: torch.Tensor      # [T, H] the drafter's context states
+
+
+class Pending(NamedTuple):
+    """Rows to project now: the batch row of each, positions, states."""
+    rows: torch.Tensor        # [N] int64, batch rows of the current step
+    positions: torch.Tensor   # [N] int64
+    hidden: torch.Tensor      # [N, H]
+
+
+class DeferredContext:
+    def __init__(self, max_rows: int):
+        self.max_rows = int(max_rows)   # kept rows above this: projected at the next step
+        self.chunks: List[Chunk] = []
+        self.last: Dict[str, int] = {}  # request -> its highest kept position
+        self.rows = 0
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @property
+    def full(self) -> bool:
+        return self.rows > self.max_rows
+
+    def keep(self, req_ids: Sequence[str], starts: np.ndarray, valid: np.ndarray,
+             positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The step's context: request b owns rows starts[b] .. starts[b] + valid[b] - 1 of
+        positions [T] / hidden [T, H]; rows past valid[b] (rejected nodes) are not kept.
+        positions may be a view of a buffer vLLM reuses: what is kept is a copy."""
+        counts = np.asarray(valid, dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
+        total = int(counts.sum())
+        if total == 0:
+            return
+        firsts = np.cumsum(counts) - counts            # each request's first kept row
+        if np.array_equal(starts, firsts):             # no rejected rows: a prefix of the step
+            kept_positions = positions[:total].clone().long()
+            kept_hidden = hidden[:total].clone()
+        else:
+            take = torch.from_numpy(np.repeat(starts - firsts, counts) + np.arange(total))
+            kept_positions, kept_hidden = positions[take].long(), hidden[take]
+        owning = np.flatnonzero(counts)               # requests with kept rows
+        first = kept_positions[torch.from_numpy(firsts[owning])].tolist()
+        restarted = set()
+        for b, p in zip(owning.tolist(), first):
+            req_id = req_ids[b]
+            if p <= self.last.get(req_id, -1):
+                restarted.add(req_id)
+            self.last[req_id] = p + int(counts[b]) - 1
+        if restarted:
+            self._drop(restarted, forget=False)
+        owner = np.repeat(np.arange(len(req_ids)), counts)
+        self.chunks.append(Chunk(list(req_ids), owner, kept_positions, kept_hidden))
+        self.rows += total
+
+    def take(self, batch_req_ids: Sequence[str], alive) -> Optional[Pending]:
+        """The kept rows of the requests in this batch (removed here, in the order kept); rows of
+        requests not alive are dropped, those of live requests outside the batch stay."""
+        if not self.chunks:
+            return None
+        batch = {req_id: b for b, req_id in enumerate(batch_req_ids)}
+        rows, positions, hidden, stay = [], [], [], []
+        for chunk in self.chunks:
+            row_of = np.array([batch.get(r, -1) for r in chunk.req_ids], dtype=np.int64)
+            live = np.array([r in alive for r in chunk.req_ids], dtype=bool)
+            batch_rows = row_of[chunk.owner]
+            now = batch_rows >= 0
+            later = ~now & live[chunk.owner]
+            if now.any():
+                sel = torch.from_numpy(np.flatnonzero(now))
+                rows.append(torch.from_numpy(batch_rows[now]))
+                positions.append(chunk.positions[sel])
+                hidden.append(chunk.hidden[sel])
+            if later.any():
+                sel = np.flatnonzero(later)
+                stay.append(Chunk(chunk.req_ids, chunk.owner[sel],
+                                  chunk.positions[torch.from_numpy(sel)],
+                                  chunk.hidden[torch.from_numpy(sel)]))
+        self.chunks = stay
+        self.rows = sum(len(c.owner) for c in stay)
+        kept = {c.req_ids[i] for c in stay for i in np.unique(c.owner)}
+        self.last = {r: p for r, p in self.last.items() if r in kept}
+        if not rows:
+            return None
+        return Pending(torch.cat(rows), torch.cat(positions), torch.cat(hidden))
+
+    def prune(self, alive) -> None:
+        """Drops the rows of requests no longer alive (finished or aborted)."""
+        self._drop({r for c in self.chunks for r in c.req_ids if r not in alive})
+
+    def _drop(self, req_ids, forget: bool = True) -> None:
+        if not req_ids:
+            return
+        chunks = []
+        for chunk in self.chunks:
+            dead = np.array([r in req_ids for r in chunk.req_ids], dtype=bool)[chunk.owner]
+            if dead.all():
+                continue
+            if dead.any():
+                sel = np.flatnonzero(~dead)
+                chunk = Chunk(chunk.req_ids, chunk.owner[sel],
+                              chunk.positions[torch.from_numpy(sel)],
+                              chunk.hidden[torch.from_numpy(sel)])
+            chunks.append(chunk)
+        self.chunks = chunks
+        self.rows = sum(len(c.owner) for c in chunks)
+        if forget:
+            for r in req_ids:
+                self.last.pop(r, None)
+
+
+def slots_of(rows: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+             block_size: int) -> torch.Tensor:
+    """vLLM's slot of each (batch row, position): block_table[row, pos // bs] * bs + pos % bs."""
+    blocks = block_table[rows, positions // block_size].long()
+    return blocks * block_size + positions % block_size
