@@ -5,8 +5,10 @@
 
 vLLM loads `register` through the entry point `vllm.general_plugins: ddtree` (setup.py) in every
 engine process. Modules: options (parsing, no vLLM), hooks (where ddtree attaches to vLLM),
-proposer (DFlash pass -> trees), auto (budget="auto"), runner (verify + commit), paged (tree
-attention over vLLM's paged CPU cache). Nothing in ddtree outside this package imports vLLM.
+proposer (DFlash pass -> trees), context (the drafter's context rows of steps without drafts),
+auto (budget="auto"), runner (verify + commit), paged (tree attention over vLLM's paged CPU
+cache), gdn (hybrid targets' Gated DeltaNet layers over trees). Nothing in ddtree outside this
+package imports vLLM.
 """
 
 

@@ -4,17 +4,19 @@ expected tokens per second, priced with this engine's measured step times.
 Gain: a request's tree of n nodes is expected to yield 1 + c * sum of its first n nodes' path
 probabilities (spec §3's objective; c calibrates the drafter: observed accepted / predicted, running).
 Cost: the step's wall time (from one drafter pass to the next: the drafter, the target forward
-and the verify of that step's own trees), fitted online as a + b * tokens + e * requests + d * draft rows
-(least squares over the recent steps; tokens = requests + tree nodes, the scheduled verify tokens;
-draft rows = the drafter's block queries, requests * draft_len when the step drafted, 0 when not).
+and the verify of that step's own trees), fitted online as
+a + b * tokens + e * requests + d * draft rows (least squares with a, b, d >= 0 over the recent
+steps; tokens = requests + tree nodes, the scheduled verify tokens; draft rows = the drafter's
+block queries, requests * draft_len when the step drafted, 0 when not).
 The best total is found over the batch's nodes sorted by path probability (every request's rows
 are non-increasing, so the top T nodes are per-request prefixes, i.e. trees).
 
 Whether to draft at all is decided before the drafter runs (`draft_step`): drafting pays when the
-recent drafting steps' expected tokens per request, over the fitted cost of such a step, beat one
-token per request over the cost of a step without drafts. A step without drafts runs vLLM's
-K = 0 drafter path (the drafter's context K/V stay in sync; one query row per request) and
-verifies the bonus token alone: autoregressive decoding inside the speculative engine.
+best tree size per request on the recent drafting steps' mean path-probability curve, its
+calibrated gain over its fitted cost, beats one token per request over the cost of a step
+without drafts. A step without drafts is vLLM's non-speculative step (the drafter's query pass
+does not run; its context rows wait for the next drafting step, context.py): autoregressive
+decoding inside the speculative engine.
 
 Until the fit has seen a spread of token counts, steps cycle through fractions of the largest
 tree and steps without drafts (exploration); every `refresh`-th step tries a random fraction and
@@ -52,6 +54,7 @@ class StepBudget:
         self.last_expected: List[float] = []
         self.draft_rows = 0              # the drafter's block queries for the next verify step
         self.gain, self.nodes = 1.0, 1.0  # drafting steps' expected tokens / nodes per request
+        self.curve = None    # [M + 1] expected accepted nodes of an n-node tree (mean, running)
         self.fit = None
         self.refit, self.unfitted = refit, 0   # steps observed since the last fit
         self.typical = {}    # drafting? -> (median seconds, median tokens) of those steps
@@ -120,9 +123,20 @@ class StepBudget:
         x = np.stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]], 1)
         scale = np.maximum(np.abs(x).max(0), 1.0)      # columns of one magnitude for the ridge
         xs = x / scale
-        coef = np.linalg.solve(xs.T @ xs + 1e-6 * np.eye(4), xs.T @ data[:, 3]) / scale
-        a, b, e, d = coef
-        self.fit = max(a, 1e-6), max(b, 0.0), e, max(d, 0.0)
+        # least squares with a, b, d >= 0: a column whose coefficient comes out negative is left
+        # out and the rest refitted (clipping it instead would leave the others fitted to it)
+        free = [0, 1, 2, 3]
+        while True:
+            sub = xs[:, free]
+            sol = np.linalg.solve(sub.T @ sub + 1e-6 * np.eye(len(free)), sub.T @ data[:, 3])
+            negative = [j for j, c in zip(free, sol) if c < 0 and j != 2]
+            if not negative:
+                break
+            free.remove(negative[0])
+        coef = np.zeros(4)
+        coef[free] = sol
+        a, b, e, d = coef / scale
+        self.fit = max(a, 1e-6), b, e, d
         return self.fit
 
     # decisions --------------------------------------------------------------------------------
@@ -141,12 +155,20 @@ class StepBudget:
         return (ratio > 1.0) != (self.decisions % period == 0)
 
     def drafting_ratio(self, fit, batch: int) -> float:
-        """Expected tokens/s of a drafting step (the recent drafting steps' gain and tree size per
-        request) over that of a step without drafts, both priced with the fit."""
+        """Expected tokens/s of a drafting step over that of a step without drafts, both priced
+        with the fit. The drafting step's gain is that of its best tree size per request on the
+        recent drafting steps' mean path-probability curve (so a run of small trees, chosen under
+        an earlier fit, does not make drafting look poor); before the first curve, the recent
+        drafting steps' own gain and tree size."""
         a, b, e, d = fit
-        plain = a + b * batch + e * batch
-        drafting = a + b * batch * (1.0 + self.nodes) + e * batch + d * batch * self.draft_len
-        return (1.0 + self.gain) * max(plain, 1e-9) / max(drafting, 1e-9)
+        plain = max(a + b * batch + e * batch, 1e-9)
+        if self.curve is None:
+            drafting = a + b * batch * (1.0 + self.nodes) + e * batch + d * batch * self.draft_len
+            return (1.0 + self.gain) * plain / max(drafting, 1e-9)
+        nodes = np.arange(len(self.curve))
+        drafting = a + b * batch * (1.0 + nodes) + e * batch + d * batch * self.draft_len
+        gain = 1.0 + self.calibration * self.curve
+        return float((gain / np.maximum(drafting, 1e-9)).max() * plain)
 
     def choose(self, tree: DraftTree, batch: int) -> List[int]:
         """Per-request budgets (nodes, root excluded) for this step's trees."""
@@ -157,6 +179,10 @@ class StepBudget:
         else:
             budgets = self._auto(probs, batch)
         self.last_expected = [float(probs[b, :n].sum()) for b, n in enumerate(budgets)]
+        if batch:   # mean over requests of the expected accepted nodes of an n-node tree
+            curve = np.concatenate([[0.0], probs.double().cumsum(1).mean(0).numpy()])
+            self.curve = curve if self.curve is None or len(self.curve) != len(curve) else (
+                0.9 * self.curve + 0.1 * curve)
         self.steps += 1
         if batch:
             decay = 0.9
@@ -172,8 +198,8 @@ class StepBudget:
         fit = self.cost_fit()
         if fit is None or self.steps < self.warmup:
             return self._fraction_budgets(probs, EXPLORE[self.steps % len(EXPLORE)])
-        if self.steps % self.refresh == 0:
-            return self._fraction_budgets(probs, self.rng.choice(EXPLORE[1:]))
+        if self.steps % self.refresh == 0:   # a random smaller tree (never none: it drafted)
+            return self._fraction_budgets(probs, self.rng.choice(EXPLORE[1:-1]))
         a, b, e, _ = fit
         c = self.calibration
         flat, _ = probs.reshape(-1).sort(descending=True)
