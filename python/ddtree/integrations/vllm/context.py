@@ -28,6 +28,13 @@ class Chunk(NamedTuple):
     hidden: torch.Tensor      # [T, H] the drafter's context states
 
 
+def _subset(chunk: Chunk, keep: np.ndarray) -> Chunk:
+    """The chunk's rows where keep [T] is true."""
+    sel = np.flatnonzero(keep)
+    index = torch.from_numpy(sel)
+    return Chunk(chunk.req_ids, chunk.owner[sel], chunk.positions[index], chunk.hidden[index])
+
+
 class Pending(NamedTuple):
     """Rows to project now: the batch row of each, positions, states."""
     rows: torch.Tensor        # [N] int64, batch rows of the current step
@@ -94,15 +101,12 @@ class DeferredContext:
             now = batch_rows >= 0
             later = ~now & live[chunk.owner]
             if now.any():
-                sel = torch.from_numpy(np.flatnonzero(now))
+                taken = _subset(chunk, now)
                 rows.append(torch.from_numpy(batch_rows[now]))
-                positions.append(chunk.positions[sel])
-                hidden.append(chunk.hidden[sel])
+                positions.append(taken.positions)
+                hidden.append(taken.hidden)
             if later.any():
-                sel = np.flatnonzero(later)
-                stay.append(Chunk(chunk.req_ids, chunk.owner[sel],
-                                  chunk.positions[torch.from_numpy(sel)],
-                                  chunk.hidden[torch.from_numpy(sel)]))
+                stay.append(_subset(chunk, later))
         self.chunks = stay
         self.rows = sum(len(c.owner) for c in stay)
         kept = {c.req_ids[i] for c in stay for i in np.unique(c.owner)}
@@ -123,12 +127,7 @@ class DeferredContext:
             dead = np.array([r in req_ids for r in chunk.req_ids], dtype=bool)[chunk.owner]
             if dead.all():
                 continue
-            if dead.any():
-                sel = np.flatnonzero(~dead)
-                chunk = Chunk(chunk.req_ids, chunk.owner[sel],
-                              chunk.positions[torch.from_numpy(sel)],
-                              chunk.hidden[torch.from_numpy(sel)])
-            chunks.append(chunk)
+            chunks.append(_subset(chunk, ~dead) if dead.any() else chunk)
         self.chunks = chunks
         self.rows = sum(len(c.owner) for c in chunks)
         if forget:
