@@ -127,3 +127,24 @@ def test_hybrid_bf16_identical_but_for_bf16_ties(embedded_pair, budget, tmp_path
     steps = read_stats(stats)
     # trees on the hybrid target: branching trees verified, off-chain nodes accepted
     assert sum(s["branching"] for s in steps) > 0 and sum(s["relocated"] for s in steps) > 0
+
+
+@pytest.mark.parametrize("budget", [64, "auto"])
+def test_dense_fp32_identical_under_preemption(dense_pair, dense_reference, budget, tmp_path):
+    """A KV cache of 24 blocks of 32 tokens for 32 requests of up to 48 + 48 tokens (+ their
+    trees): the scheduler preempts requests (recomputed from their prompt later) and the tokens
+    are still vLLM's greedy ones; every block is free again afterwards."""
+    target, drafter = dense_pair
+    prompts, reference = dense_reference
+    with Server(target, "--dtype", "float32", "--block-size", "32", "--max-model-len", "256",
+                "--num-gpu-blocks-override", "24", "--speculative-config",
+                ddtree_config(drafter, budget=budget), log=tmp_path / "serve.log") as server:
+        got = [c["token_ids"] for c in complete_all(server.url, prompts, TOKENS, ignore_eos=True)]
+        preemptions = server.metric("vllm:num_preemptions_total")
+        usage = server.metric("vllm:kv_cache_usage_perc")
+    mismatched = [(i, first_difference(r, g)) for i, (r, g) in enumerate(zip(reference, got))
+                  if r != g]
+    assert mismatched == [], f"prompts differing from vLLM's greedy (index, first token): {mismatched}"
+    print(f"budget={budget}: {preemptions:.0f} preemptions, 32 / 32 prompts identical")
+    assert preemptions > 0, "the load did not preempt any request"
+    assert usage == 0.0
