@@ -2,9 +2,10 @@
 own `dflash` (chain), ddtree trees of 16 / 64 nodes and ddtree `auto`, at concurrency 1 / 4 / 16 /
 32. One server per mode, all started first and left running; the measurements interleave the
 modes (every round visits every concurrency and every mode in turn), so drift on the machine
-falls on all modes alike. Prompts: snippets of third-party Python (packages the embedded pair was
-not trained on: click, jinja2, requests, rich, from the vLLM venv's site-packages), greedy,
-ignore_eos, `--tokens` each. Reported: output tokens/s of the whole load (median over rounds) and
+falls on all modes alike; before every timed load it waits until the CPUs are idle. Prompts:
+snippets of third-party Python (packages the embedded pair was not trained on: click, jinja2,
+requests, rich, from the vLLM venv's site-packages), greedy, ignore_eos, `--tokens` each.
+Reported: output tokens/s of the whole load (median over rounds) and
 the mean inter-token latency seen by a streaming client ((last - first token time) / (tokens - 1)).
 
     make bench-vllm            (writes bench/results/vllm_serving_cpu.json and .png)
@@ -72,14 +73,37 @@ def stream_one(url: str, model: str, prompt: str, tokens: int):
     return count, itl
 
 
+def wait_idle(limit: float = 8.0, busy: float = 0.15, window: float = 0.25) -> float:
+    """Until the machine's CPUs are idle (under `busy` for one window): a server that has just
+    served a load keeps its cores busy for a moment, and the next mode's load would share them
+    (the mode measured first in a round was up to 25% faster without this). Returns the wait."""
+    def ticks():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values)   # idle + iowait, total
+    start = time.perf_counter()
+    try:
+        idle0, total0 = ticks()
+    except OSError:          # no /proc/stat (not Linux): no wait
+        return 0.0
+    while time.perf_counter() < start + limit:
+        time.sleep(window)
+        idle1, total1 = ticks()
+        if total1 > total0 and 1.0 - (idle1 - idle0) / (total1 - total0) < busy:
+            break
+        idle0, total0 = idle1, total1
+    return time.perf_counter() - start
+
+
 def load(url: str, model: str, prompts, concurrency: int, tokens: int):
+    waited = wait_idle()
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: stream_one(url, model, p, tokens), prompts))
     seconds = time.perf_counter() - start
     total = sum(c for c, _ in results)
     itls = [i for _, i in results if i is not None]
-    return total / seconds, statistics.mean(itls) if itls else None
+    return total / seconds, statistics.mean(itls) if itls else None, waited
 
 
 def modes(drafter: Path, block: int):
@@ -146,10 +170,10 @@ def main(argv=None) -> None:
                 batch = prompts[:max(8, 2 * c)]   # at least two waves of requests
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for mode in order:
-                    tps, itl = load(servers[mode].url, model, batch, c, args.tokens)
+                    tps, itl, waited = load(servers[mode].url, model, batch, c, args.tokens)
                     samples[mode, c].append((tps, itl))
                     print(f"round {r} c={c:>2} {mode:<15} {tps:8.1f} tok/s  itl "
-                          f"{1000 * itl:6.1f} ms", flush=True)
+                          f"{1000 * itl:6.1f} ms  (waited {waited:.1f} s for idle CPUs)", flush=True)
     finally:
         for server in servers.values():
             server.stop()
