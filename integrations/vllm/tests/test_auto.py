@@ -111,25 +111,29 @@ def test_a_step_is_timed_from_one_drafter_pass_to_the_next(monkeypatch):
 
 def test_a_run_of_small_trees_does_not_stop_drafting():
     """One request, drafting pays with trees of ~16 nodes (a confident drafter, the drafter's
-    block 3 ms against an 8 ms step). If the recent trees were tiny (as under an earlier, poor
-    fit), their own gain would make drafting look poor; the decision prices the best tree size
-    on the drafter's recent path-probability curve instead."""
+    block 3 ms against an 8 ms step). After a run of one-node trees (as an earlier, poor fit
+    might choose), drafting is still priced at the best tree size on the drafter's curve."""
     gen = torch.Generator().manual_seed(2)
     options = DDTreeOptions(budget="auto", max_budget=32, draft_len=DRAFT_LEN)
     policy = StepBudget(options, DRAFT_LEN)
     a, b, d = 8e-3, 1e-4, 2e-4
-    for _ in range(200):
-        draft = policy.draft_step(1)
-        tokens = 1
-        if draft:
-            policy.drafted(DRAFT_LEN)
-            tokens += sum(policy.choose(drafter_tree(1, True, 32, gen), 1))
-        else:
-            policy.drafted(0)
-        policy.observe_step(tokens, 1, a + b * tokens + d * (DRAFT_LEN if draft else 0))
+
+    def run(steps):
+        for _ in range(steps):
+            draft = policy.draft_step(1)
+            tokens = 1
+            if draft:
+                policy.drafted(DRAFT_LEN)
+                tokens += sum(policy.choose(drafter_tree(1, True, 32, gen), 1))
+            else:
+                policy.drafted(0)
+            policy.observe_step(tokens, 1, a + b * tokens + d * (DRAFT_LEN if draft else 0))
+
+    run(200)
+    policy._auto = lambda probs, batch: [1] * batch     # the next trees: one node each
+    run(50)
     fit = policy.cost_fit()
-    policy.gain, policy.nodes = 0.05, 1.0    # the recent trees: one node, rarely accepted
-    assert policy.drafting_ratio(fit, 1) > 1.5
     best = max((1 + policy.curve[n]) / (a + b * (1 + n) + d * DRAFT_LEN)
                for n in range(len(policy.curve))) * (a + b)
+    assert policy.drafting_ratio(fit, 1) > 1.5
     assert policy.drafting_ratio(fit, 1) == pytest.approx(best, rel=0.1)

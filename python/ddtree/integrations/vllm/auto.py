@@ -25,6 +25,7 @@ no-draft choice, so the fit follows the load. The fit is refreshed every `refit`
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -53,7 +54,6 @@ class StepBudget:
         self.rng = random.Random(seed)
         self.last_expected: List[float] = []
         self.draft_rows = 0              # the drafter's block queries for the next verify step
-        self.gain, self.nodes = 1.0, 1.0  # drafting steps' expected tokens / nodes per request
         self.curve = None    # [M + 1] expected accepted nodes of an n-node tree (mean, running)
         self.fit = None
         self.refit, self.unfitted = refit, 0   # steps observed since the last fit
@@ -157,14 +157,12 @@ class StepBudget:
     def drafting_ratio(self, fit, batch: int) -> float:
         """Expected tokens/s of a drafting step over that of a step without drafts, both priced
         with the fit. The drafting step's gain is that of its best tree size per request on the
-        recent drafting steps' mean path-probability curve (so a run of small trees, chosen under
-        an earlier fit, does not make drafting look poor); before the first curve, the recent
-        drafting steps' own gain and tree size."""
+        recent drafting steps' mean path-probability curve (whatever sizes those steps chose, so
+        a run of small trees picked under an earlier fit does not make drafting look poor)."""
+        if self.curve is None:       # no drafting step seen yet: draft, to see one
+            return math.inf
         a, b, e, d = fit
         plain = max(a + b * batch + e * batch, 1e-9)
-        if self.curve is None:
-            drafting = a + b * batch * (1.0 + self.nodes) + e * batch + d * batch * self.draft_len
-            return (1.0 + self.gain) * plain / max(drafting, 1e-9)
         nodes = np.arange(len(self.curve))
         drafting = a + b * batch * (1.0 + nodes) + e * batch + d * batch * self.draft_len
         gain = 1.0 + self.calibration * self.curve
@@ -179,16 +177,12 @@ class StepBudget:
         else:
             budgets = self._auto(probs, batch)
         self.last_expected = [float(probs[b, :n].sum()) for b, n in enumerate(budgets)]
-        if batch:   # mean over requests of the expected accepted nodes of an n-node tree
+        if batch and self.options.budget == "auto":   # mean over requests: expected accepted
+                                                        # nodes of an n-node tree
             curve = np.concatenate([[0.0], probs.double().cumsum(1).mean(0).numpy()])
             self.curve = curve if self.curve is None or len(self.curve) != len(curve) else (
                 0.9 * self.curve + 0.1 * curve)
         self.steps += 1
-        if batch:
-            decay = 0.9
-            self.gain = decay * self.gain + (1 - decay) * self.calibration * float(
-                sum(self.last_expected)) / batch
-            self.nodes = decay * self.nodes + (1 - decay) * sum(budgets) / batch
         return budgets
 
     def _fraction_budgets(self, probs: torch.Tensor, fraction: float) -> List[int]:

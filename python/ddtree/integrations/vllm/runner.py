@@ -234,15 +234,8 @@ class Verifier:
     def sample(self, logits: torch.Tensor, plan: StepPlan, state):
         from vllm.v1.outputs import SamplerOutput
 
-        batch = self.runner.input_batch
-        b = len(plan.trees)
-        if all(len(t.parents) == 1 for t in plan.trees) and bool(
-                (batch.temperature_cpu[:b] <= 1e-5).all()):
-            # no request drafted, all greedy: the walk stops at every root and its bonus is the
-            # target's argmax there (the same argmax verify_greedy is given)
-            self._write_stats(b, b, 0, 0, 0)
-            out = greedy_tokens(logits[:b]).to(torch.int32)[:, None]
-            return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        # (steps where no request has drafts never get here: hooks.py prepares them as vLLM's
+        # non-speculative step)
         verdict, tree = self.verify(logits, plan)
         relocated = self.commit(plan, verdict, state)
         if plan.recurrent is not None:
