@@ -40,15 +40,18 @@ def test_keeps_committed_rows_and_maps_them_to_the_batch_that_drafts():
     assert len(context) == 0 and context.take(["a"], alive={"a"}) is None
 
 
-def test_a_request_restarted_from_its_prompt_drops_its_older_rows():
+def test_a_request_resumed_from_preemption_starts_again_from_its_prompt():
     context = DeferredContext(max_rows=100)
     for first, seed in ((40, 1), (41, 2)):
-        context.keep(["a"], *step_rows(["a"], [1], [first], [1], seed))
+        context.keep(["a", "b"], *step_rows(["a", "b"], [1, 1], [first, first], [1, 1], seed))
+    context.drop({"a"})                               # the engine: "a" resumed
+    assert len(context) == 2
     starts, valid, positions, hidden = step_rows(["a"], [5], [0], [5], seed=3)   # recomputed
     context.keep(["a"], starts, valid, positions, hidden)
-    pending = context.take(["a"], alive={"a"})
+    pending = context.take(["a"], alive={"a", "b"})
     assert pending.positions.tolist() == [0, 1, 2, 3, 4]
     torch.testing.assert_close(pending.hidden, hidden, rtol=0, atol=0)
+    assert context.take(["b"], alive={"b"}).positions.tolist() == [40, 41]
 
 
 def test_rows_of_live_requests_outside_the_batch_stay_finished_ones_go():
@@ -88,7 +91,10 @@ def test_random_steps_against_a_dictionary_reference():
             continue
         lengths, firsts, valid = [], [], []
         for r in requests:
-            restart = rng.random() < 0.05
+            restart = rng.random() < 0.05     # resumed from preemption: dropped, then from 0
+            if restart:
+                context.drop({r})
+                reference.pop(r, None)
             first = 0 if restart or r not in lengths_so_far else lengths_so_far[r]
             n = rng.randint(1, 5)
             lengths.append(n)
@@ -99,8 +105,6 @@ def test_random_steps_against_a_dictionary_reference():
         context.keep(requests, starts, valid, positions, hidden)
         for b, r in enumerate(requests):
             rows = {int(positions[starts[b] + i]): hidden[starts[b] + i] for i in range(valid[b])}
-            if rows and min(rows) <= max(reference.get(r, {-1: None}), default=-1):
-                reference[r] = {}
             reference.setdefault(r, {}).update(rows)
         assert len(context) == sum(len(v) for v in reference.values())
 

@@ -9,9 +9,10 @@ projected in one batch at the request's next drafting step, or never if it finis
 Kept per step (a chunk): the drafter-side hidden states [T, H] (after the drafter's `fc`, so a
 row costs H values, not layers x H), their positions [T] and, per row, the request it belongs
 to. Only committed rows are kept: a step's rejected tree rows are cut by vLLM's
-`num_rejected_tokens`. When a request's rows start again at or below a kept position (a
-preempted request recomputed from its prompt), its older rows are dropped. Slots are computed
-from the block table at projection time, so they are always the request's current blocks.
+`num_rejected_tokens`. The engine drops a request's rows when it finishes and when it resumes
+from preemption (it is recomputed from its prompt, its old blocks gone): `drop`. Slots are
+computed from the block table at projection time, so they are always the request's current
+blocks.
 """
 from __future__ import annotations
 
@@ -46,7 +47,6 @@ class DeferredContext:
     def __init__(self, max_rows: int):
         self.max_rows = int(max_rows)   # kept rows above this: projected at the next step
         self.chunks: List[Chunk] = []
-        self.last: Dict[str, int] = {}  # request -> its highest kept position
         self.rows = 0
 
     def __len__(self) -> int:
@@ -62,28 +62,18 @@ class DeferredContext:
         positions [T] / hidden [T, H]; rows past valid[b] (rejected nodes) are not kept.
         positions may be a view of a buffer vLLM reuses: what is kept is a copy."""
         counts = np.asarray(valid, dtype=np.int64)
-        starts = np.asarray(starts, dtype=np.int64)
-        total = int(counts.sum())
+        firsts = np.cumsum(counts)
+        total = int(firsts[-1]) if len(firsts) else 0
         if total == 0:
             return
-        firsts = np.cumsum(counts) - counts            # each request's first kept row
+        firsts -= counts                               # each request's first kept row
         if np.array_equal(starts, firsts):             # no rejected rows: a prefix of the step
-            kept_positions = positions[:total].clone().long()
+            kept_positions = positions[:total].to(torch.int64, copy=True)
             kept_hidden = hidden[:total].clone()
         else:
             take = torch.from_numpy(np.repeat(starts - firsts, counts) + np.arange(total))
             kept_positions, kept_hidden = positions[take].long(), hidden[take]
-        owning = np.flatnonzero(counts)               # requests with kept rows
-        first = kept_positions[torch.from_numpy(firsts[owning])].tolist()
-        restarted = set()
-        for b, p in zip(owning.tolist(), first):
-            req_id = req_ids[b]
-            if p <= self.last.get(req_id, -1):
-                restarted.add(req_id)
-            self.last[req_id] = p + int(counts[b]) - 1
-        if restarted:
-            self._drop(restarted, forget=False)
-        owner = np.repeat(np.arange(len(req_ids)), counts)
+        owner = np.repeat(np.arange(len(counts)), counts)
         self.chunks.append(Chunk(list(req_ids), owner, kept_positions, kept_hidden))
         self.rows += total
 
@@ -109,18 +99,17 @@ class DeferredContext:
                 stay.append(_subset(chunk, later))
         self.chunks = stay
         self.rows = sum(len(c.owner) for c in stay)
-        kept = {c.req_ids[i] for c in stay for i in np.unique(c.owner)}
-        self.last = {r: p for r, p in self.last.items() if r in kept}
         if not rows:
             return None
         return Pending(torch.cat(rows), torch.cat(positions), torch.cat(hidden))
 
     def prune(self, alive) -> None:
         """Drops the rows of requests no longer alive (finished or aborted)."""
-        self._drop({r for c in self.chunks for r in c.req_ids if r not in alive})
+        self.drop({r for c in self.chunks for r in c.req_ids if r not in alive})
 
-    def _drop(self, req_ids, forget: bool = True) -> None:
-        if not req_ids:
+    def drop(self, req_ids) -> None:
+        """Drops every kept row of these requests."""
+        if not req_ids or not self.chunks:
             return
         chunks = []
         for chunk in self.chunks:
@@ -130,9 +119,6 @@ class DeferredContext:
             chunks.append(_subset(chunk, ~dead) if dead.any() else chunk)
         self.chunks = chunks
         self.rows = sum(len(c.owner) for c in chunks)
-        if forget:
-            for r in req_ids:
-                self.last.pop(r, None)
 
 
 def slots_of(rows: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,

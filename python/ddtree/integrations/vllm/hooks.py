@@ -158,6 +158,8 @@ def hook_runner() -> None:
             self._ddtree_scheduled = scheduler_output
             self._ddtree_plan = self._ddtree_decoding = None
             self._ddtree.forget(scheduler_output.finished_req_ids)
+            self.drafter.forget(scheduler_output.finished_req_ids,
+                                scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         return execute_model(self, scheduler_output, *args, **kwargs)
 
     @functools.wraps(prepare_inputs)
@@ -191,8 +193,10 @@ def hook_runner() -> None:
 
     def verifies(self) -> bool:
         """A target forward ddtree verifies: some request decodes (with drafts or without)."""
+        if getattr(self, "_ddtree", None) is None:
+            return False
         scheduled = self._ddtree_scheduled
-        if getattr(self, "_ddtree", None) is None or scheduled is None:
+        if scheduled is None:
             return False
         decoding = self._ddtree_decoding
         return bool(scheduled.scheduled_spec_decode_tokens) or bool(

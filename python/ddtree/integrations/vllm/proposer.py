@@ -98,6 +98,12 @@ class DDTreeProposer(DFlashProposer):
         self.model.precompute_and_store_context_kv(pending.hidden, pending.positions, slots)
         return len(pending.rows)
 
+    def forget(self, finished, resumed) -> None:
+        """Requests that finished, and requests resumed from preemption (recomputed from their
+        prompt into new blocks): their kept context rows go."""
+        if finished or resumed:
+            self.context.drop(set(finished) | set(resumed))
+
     def _no_drafts(self, req_ids, **kwargs) -> None:
         positions = kwargs["target_positions"]
         if not self.defer_context or positions.dim() != 1:
