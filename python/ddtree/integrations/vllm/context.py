@@ -16,7 +16,7 @@ blocks.
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ class DeferredContext:
         positions [T] / hidden [T, H]; rows past valid[b] (rejected nodes) are not kept.
         positions may be a view of a buffer vLLM reuses: what is kept is a copy."""
         counts = np.asarray(valid, dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
         firsts = np.cumsum(counts)
         total = int(firsts[-1]) if len(firsts) else 0
         if total == 0:
